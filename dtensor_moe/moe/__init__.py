@@ -1,0 +1,38 @@
+"""The MoE layer: token-choice router, grouped routed experts with a token dispatcher, and
+shared experts. See ``docs/moe.md``."""
+
+from dtensor_moe.moe.balance import AuxLossBackward, attach_aux_loss, update_expert_bias
+from dtensor_moe.moe.config import MoEConfig
+from dtensor_moe.moe.dispatch import (
+    DispatchMetadata,
+    ExpertLayout,
+    TokenDispatcher,
+    permute_tokens,
+    scores_in_rows,
+    sort_by_expert,
+    unpermute_and_reduce,
+)
+from dtensor_moe.moe.experts import GroupedExperts, SharedExperts, grouped_swiglu
+from dtensor_moe.moe.layer import MoE
+from dtensor_moe.moe.router import RouterOutput, TokenChoiceTopKRouter, sequence_aux_loss
+
+__all__ = [
+    "AuxLossBackward",
+    "DispatchMetadata",
+    "ExpertLayout",
+    "GroupedExperts",
+    "MoE",
+    "MoEConfig",
+    "RouterOutput",
+    "SharedExperts",
+    "TokenChoiceTopKRouter",
+    "TokenDispatcher",
+    "attach_aux_loss",
+    "grouped_swiglu",
+    "permute_tokens",
+    "scores_in_rows",
+    "sequence_aux_loss",
+    "sort_by_expert",
+    "unpermute_and_reduce",
+    "update_expert_bias",
+]

@@ -1,0 +1,142 @@
+"""Configuration of the MoE layer.
+
+Every field is documented in ``docs/moe.md``. The dataclass is frozen: a layer's configuration
+is settled when the layer is built and never changes afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["ComputePath", "MoEConfig", "ScoreFunc"]
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+ComputePath = Literal["auto", "grouped_mm", "loop", "bmm"]
+
+_SCORE_FUNCS = ("softmax", "sigmoid")
+_COMPUTE_PATHS = ("auto", "grouped_mm", "loop", "bmm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Hyper-parameters of one :class:`~dtensor_moe.moe.MoE` layer.
+
+    Keyword Args:
+        dim: model (token) width ``D``.
+        hidden_dim: hidden width ``H`` of each routed SwiGLU expert.
+        num_experts: number of routed experts ``E``.
+        top_k: experts each token is sent to ``K`` (``1 <= K <= E``).
+        score_func: ``"softmax"`` or ``"sigmoid"`` over the router logits.
+        route_norm: renormalise the ``K`` selected scores of a token to sum to 1.
+        route_scale: constant factor applied to the selected scores (after ``route_norm``).
+        num_expert_groups: split the experts into this many equal groups for group-limited
+            routing; ``None`` disables it.
+        num_limited_groups: with ``num_expert_groups``, the number of groups each token may use.
+        score_before_experts: multiply routed tokens by their score before the experts (``True``)
+            or the expert outputs in combine (``False``).
+        use_expert_bias: keep an auxiliary-loss-free expert bias that changes expert selection
+            only; update it with :func:`~dtensor_moe.moe.update_expert_bias`.
+        aux_loss_coeff: coefficient of the sequence-level auxiliary loss; ``0`` disables it.
+        num_shared_experts: number of always-on shared SwiGLU experts (``0``: none).
+        shared_hidden_dim: hidden width of each shared expert; ``None`` means ``hidden_dim``.
+        compute_path: ``"auto"``, ``"grouped_mm"``, ``"loop"`` or ``"bmm"``.
+        pad_multiple: pad each expert's token group to a multiple of this (``1``: no padding).
+        init_std: standard deviation of the normal initialisation of all weights.
+    """
+
+    dim: int
+    hidden_dim: int
+    num_experts: int
+    top_k: int
+    score_func: ScoreFunc = "softmax"
+    route_norm: bool = False
+    route_scale: float = 1.0
+    num_expert_groups: int | None = None
+    num_limited_groups: int | None = None
+    score_before_experts: bool = False
+    use_expert_bias: bool = False
+    aux_loss_coeff: float = 0.0
+    num_shared_experts: int = 0
+    shared_hidden_dim: int | None = None
+    compute_path: ComputePath = "auto"
+    pad_multiple: int = 1
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_routing()
+        self._check_groups()
+
+    @property
+    def shared_hidden_total(self) -> int:
+        """Hidden width of the fused shared-expert MLP (``num_shared_experts * shared hidden``)."""
+        per_expert = self.hidden_dim if self.shared_hidden_dim is None else self.shared_hidden_dim
+        return self.num_shared_experts * per_expert
+
+    def _check_sizes(self) -> None:
+        for name in ("dim", "hidden_dim", "num_experts", "top_k", "pad_multiple"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}; "
+                "choose top_k <= num_experts"
+            )
+        if self.num_shared_experts < 0:
+            raise ValueError(
+                f"MoEConfig.num_shared_experts must be >= 0, got {self.num_shared_experts}"
+            )
+        if self.shared_hidden_dim is not None and self.shared_hidden_dim < 1:
+            raise ValueError(
+                f"MoEConfig.shared_hidden_dim must be positive or None, got "
+                f"{self.shared_hidden_dim}"
+            )
+        if self.init_std <= 0:
+            raise ValueError(f"MoEConfig.init_std must be positive, got {self.init_std}")
+
+    def _check_routing(self) -> None:
+        if self.score_func not in _SCORE_FUNCS:
+            raise ValueError(
+                f"MoEConfig.score_func={self.score_func!r} is not one of {_SCORE_FUNCS}"
+            )
+        if self.compute_path not in _COMPUTE_PATHS:
+            raise ValueError(
+                f"MoEConfig.compute_path={self.compute_path!r} is not one of {_COMPUTE_PATHS}"
+            )
+        if not self.route_scale > 0:
+            raise ValueError(f"MoEConfig.route_scale must be positive, got {self.route_scale}")
+        if self.aux_loss_coeff < 0:
+            raise ValueError(
+                f"MoEConfig.aux_loss_coeff must be >= 0 (0 disables it), got "
+                f"{self.aux_loss_coeff}"
+            )
+
+    def _check_groups(self) -> None:
+        groups, limited = self.num_expert_groups, self.num_limited_groups
+        if groups is None and limited is None:
+            return
+        if groups is None or limited is None:
+            raise ValueError(
+                "group-limited routing needs both MoEConfig.num_expert_groups and "
+                f"num_limited_groups, got num_expert_groups={groups}, "
+                f"num_limited_groups={limited}; set both or neither"
+            )
+        if groups < 1 or self.num_experts % groups != 0:
+            raise ValueError(
+                f"MoEConfig.num_experts={self.num_experts} is not divisible by "
+                f"num_expert_groups={groups}; choose a divisor of num_experts"
+            )
+        if not 1 <= limited <= groups:
+            raise ValueError(
+                f"MoEConfig.num_limited_groups={limited} must be in [1, "
+                f"num_expert_groups={groups}]"
+            )
+        reachable = limited * (self.num_experts // groups)
+        if self.top_k > reachable:
+            raise ValueError(
+                f"MoEConfig.top_k={self.top_k} exceeds the {reachable} experts reachable in "
+                f"num_limited_groups={limited} groups of {self.num_experts // groups}; raise "
+                "num_limited_groups or lower top_k"
+            )

@@ -1,0 +1,267 @@
+"""Token dispatch and combine around the routed experts.
+
+Shape legend:
+    T  tokens routed by this rank
+    D  model width
+    E  routed experts (global count); e  experts held by this rank (``E`` without EP)
+    K  experts per token
+    R  rows of the routed buffer, grouped by local expert, including alignment padding
+    N  routed (token, expert) pairs, ``T * K``
+
+Note [Dispatcher steps]: dispatch is (1) :func:`sort_by_expert` (group the ``N`` (token,
+expert) pairs by expert, with alignment padding), (2) :func:`permute_tokens` (copy tokens into
+the routed buffer), (3) optionally :func:`scores_in_rows` (scale rows by their score). Combine is
+:func:`unpermute_and_reduce`, the one shared scoring + reduction tail. The base class issues no
+communication. An expert-parallel subclass overrides ``dispatch``/``combine`` and inserts its
+exchange between the steps: sort by global expert without padding, permute, scale, all-to-all
+(counts, then tokens), then sort the received rows by *local* expert with padding by calling
+:func:`sort_by_expert` again on ``(rows, 1)`` local ids, and the reverse in combine. Everything
+one forward needs goes into its metadata (a frozen dataclass that may subclass
+:class:`DispatchMetadata`), never onto ``self``.
+
+Note [Deterministic combine]: no step accumulates with atomics. Forward gathers rows by index.
+Backward of the token gather sums the ``K`` copies of a token in a fixed order (a gather
+followed by ``sum`` over ``K``) instead of ``index_add``; the other gathers have unique
+indices, so their backward writes every row at most once. Results are the same bits run to run.
+"""
+
+# ruff: noqa: N803, N806
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DispatchMetadata",
+    "ExpertLayout",
+    "TokenDispatcher",
+    "permute_tokens",
+    "scores_in_rows",
+    "sort_by_expert",
+    "unpermute_and_reduce",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertLayout:
+    """Where each (token, expert) pair lives in the routed buffer.
+
+    Attributes:
+        token_N: source token of each pair, in expert-sorted order.
+        order_N: flat ``t * K + k`` index of each pair, in expert-sorted order.
+        row_N: routed-buffer row of each sorted pair, or ``None`` when there is no padding
+            (then row ``n`` is pair ``n``).
+        row_TK: routed-buffer row of pair ``(t, k)``; the inverse of ``order_N``/``row_N``.
+        counts_e: rows per local expert, padding included (int64).
+        num_rows: ``R``, the routed-buffer length.
+    """
+
+    token_N: torch.Tensor
+    order_N: torch.Tensor
+    row_N: torch.Tensor | None
+    row_TK: torch.Tensor
+    counts_e: torch.Tensor
+    num_rows: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DispatchMetadata:
+    """Everything :meth:`TokenDispatcher.combine` needs; returned by ``dispatch``.
+
+    Attributes:
+        row_TK: routed-buffer row holding the expert output for pair ``(t, k)``.
+        scores_TK: combine weights, or ``None`` when the scores were applied before the
+            experts (``score_before_experts``).
+    """
+
+    row_TK: torch.Tensor
+    scores_TK: torch.Tensor | None
+
+
+def _padding_shift(counts_E: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, list[int]]:
+    """Row shift of each expert's group after padding, and the padded counts (host ints)."""
+    counts = counts_E.tolist()
+    padded = [-(-c // pad_multiple) * pad_multiple for c in counts]
+    shift, start, padded_start = [], 0, 0
+    for c, p in zip(counts, padded):
+        shift.append(padded_start - start)
+        start, padded_start = start + c, padded_start + p
+    return torch.tensor(shift, dtype=torch.int64, device=counts_E.device), padded
+
+
+def sort_by_expert(
+    topk_ids_TK: torch.Tensor, counts_E: torch.Tensor, *, pad_multiple: int = 1
+) -> ExpertLayout:
+    """Group the ``T * K`` (token, expert) pairs by expert, stably (token order within a group).
+
+    With ``pad_multiple > 1`` each group starts at a multiple of ``pad_multiple`` rows; that
+    step reads ``counts_E`` on the host (one device sync).
+    """
+    T, K = topk_ids_TK.shape
+    ids_N = topk_ids_TK.reshape(-1)
+    N = ids_N.numel()
+    order_N = torch.argsort(ids_N, stable=True)
+    token_N = torch.div(order_N, K, rounding_mode="floor")
+    rank_N = torch.arange(N, device=ids_N.device)
+    if pad_multiple == 1:
+        row_N, counts_e, num_rows = None, counts_E, N
+        sorted_rows_N = rank_N
+    else:
+        shift_E, padded = _padding_shift(counts_E, pad_multiple)
+        row_N = rank_N + shift_E[ids_N[order_N]]
+        counts_e = torch.tensor(padded, dtype=torch.int64, device=counts_E.device)
+        sorted_rows_N, num_rows = row_N, sum(padded)
+    row_flat = torch.empty_like(order_N).index_put_((order_N,), sorted_rows_N)
+    return ExpertLayout(
+        token_N=token_N,
+        order_N=order_N,
+        row_N=row_N,
+        row_TK=row_flat.view(T, K),
+        counts_e=counts_e,
+        num_rows=num_rows,
+    )
+
+
+class _PermuteTokens(torch.autograd.Function):
+    """``routed_RD[row_N[n]] = x_TD[token_N[n]]`` (padding rows zero), deterministic backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_TD: torch.Tensor,
+        token_N: torch.Tensor,
+        row_N: torch.Tensor | None,
+        num_rows: int,
+        row_TK: torch.Tensor,
+    ) -> torch.Tensor:
+        rows_ND = x_TD.index_select(0, token_N)
+        if row_N is not None:
+            rows_ND = x_TD.new_zeros(num_rows, x_TD.shape[-1]).index_copy_(0, row_N, rows_ND)
+        ctx.save_for_backward(row_TK)
+        return rows_ND
+
+    @staticmethod
+    def backward(ctx: Any, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (row_TK,) = ctx.saved_tensors
+        T, K = row_TK.shape
+        grad_TKD = grad_RD.index_select(0, row_TK.reshape(-1)).view(T, K, grad_RD.shape[-1])
+        grad_TD = grad_TKD[:, 0] if K == 1 else grad_TKD.sum(dim=1)
+        return grad_TD, None, None, None, None
+
+
+def permute_tokens(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """Copy tokens into the routed buffer ``(R, D)``; padding rows are zero.
+
+    The backward gathers the ``K`` row gradients of each token and sums them in a fixed order
+    (see Note [Deterministic combine]); padding rows give no gradient.
+    """
+    return _PermuteTokens.apply(x_TD, layout.token_N, layout.row_N, layout.num_rows, layout.row_TK)
+
+
+def scores_in_rows(scores_TK: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """The score of each routed-buffer row (0 on padding rows), differentiable."""
+    scores_N = scores_TK.reshape(-1).index_select(0, layout.order_N)
+    if layout.row_N is None:
+        return scores_N
+    return scores_N.new_zeros(layout.num_rows).index_copy(0, layout.row_N, scores_N)
+
+
+def unpermute_and_reduce(
+    out_RD: torch.Tensor, row_TK: torch.Tensor, scores_TK: torch.Tensor | None
+) -> torch.Tensor:
+    """The shared combine tail: ``y_TD[t] = sum_k scores_TK[t, k] * out_RD[row_TK[t, k]]``.
+
+    With ``scores_TK=None`` the ``K`` rows are summed unweighted. Rows not named by ``row_TK``
+    (alignment padding) reach neither the output nor the gradients.
+    """
+    T, K = row_TK.shape
+    out_TKD = out_RD.index_select(0, row_TK.reshape(-1)).view(T, K, out_RD.shape[-1])
+    if scores_TK is None:
+        return out_TKD[:, 0] if K == 1 else out_TKD.sum(dim=1)
+    if K == 1:
+        return out_TKD[:, 0] * scores_TK.to(out_RD.dtype)
+    return torch.bmm(scores_TK.to(out_RD.dtype).unsqueeze(1), out_TKD).squeeze(1)
+
+
+class TokenDispatcher:
+    """Local (single-rank) dispatch and combine; the base class of parallel dispatchers.
+
+    Keyword Args:
+        num_experts: ``E``, routed experts in the whole layer.
+        pad_multiple: align each local expert's row group to this multiple (``1``: no padding).
+        score_before_experts: scale routed rows by their score before the experts instead of
+            weighting expert outputs in combine.
+
+    No collective runs in forward or backward. See Note [Dispatcher steps] for where a
+    subclass adds communication, and keep all per-forward state in the returned metadata.
+    """
+
+    def __init__(
+        self, *, num_experts: int, pad_multiple: int = 1, score_before_experts: bool = False
+    ) -> None:
+        if num_experts < 1 or pad_multiple < 1:
+            raise ValueError(
+                f"TokenDispatcher needs num_experts >= 1 and pad_multiple >= 1, got "
+                f"num_experts={num_experts}, pad_multiple={pad_multiple}"
+            )
+        self.num_experts = num_experts
+        self.pad_multiple = pad_multiple
+        self.score_before_experts = score_before_experts
+
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        counts_E: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchMetadata]:
+        """Group tokens by expert.
+
+        Returns:
+            ``(routed_RD, counts_e, metadata)``: the routed buffer, its rows per local expert
+            (int64, padding included, summing to ``R``), and what :meth:`combine` needs.
+        """
+        self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        layout = sort_by_expert(topk_ids_TK, counts_E, pad_multiple=self.pad_multiple)
+        routed_RD = permute_tokens(x_TD, layout)
+        scores_TK = topk_scores_TK
+        if self.score_before_experts:
+            routed_RD = routed_RD * scores_in_rows(topk_scores_TK, layout).unsqueeze(-1)
+            scores_TK = None
+        return routed_RD, layout.counts_e, DispatchMetadata(row_TK=layout.row_TK, scores_TK=scores_TK)
+
+    def combine(self, out_RD: torch.Tensor, metadata: DispatchMetadata) -> torch.Tensor:
+        """Weight and sum each token's expert outputs back into ``y_TD`` (token order)."""
+        return unpermute_and_reduce(out_RD, metadata.row_TK, metadata.scores_TK)
+
+    def _check_inputs(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        counts_E: torch.Tensor,
+    ) -> None:
+        if x_TD.dim() != 2 or topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x_TD.shape[0]:
+            raise ValueError(
+                f"dispatch expects x_TD (T, D) and topk_ids_TK (T, K) with the same T, got "
+                f"{tuple(x_TD.shape)} and {tuple(topk_ids_TK.shape)}"
+            )
+        if topk_scores_TK.shape != topk_ids_TK.shape:
+            raise ValueError(
+                f"topk_scores_TK {tuple(topk_scores_TK.shape)} and topk_ids_TK "
+                f"{tuple(topk_ids_TK.shape)} must have the same shape"
+            )
+        if counts_E.shape != (self.num_experts,):
+            raise ValueError(
+                f"counts_E has shape {tuple(counts_E.shape)}, expected ({self.num_experts},) "
+                "(one count per routed expert)"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_experts={self.num_experts}, "
+            f"pad_multiple={self.pad_multiple}, score_before_experts={self.score_before_experts})"
+        )

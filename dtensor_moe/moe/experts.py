@@ -1,0 +1,244 @@
+"""Grouped SwiGLU experts (routed) and the shared-expert MLP.
+
+Shape legend:
+    R  rows of the routed buffer, grouped by local expert (padding included)
+    D  model width
+    H  hidden width of one expert
+    e  experts whose weights this rank holds (all ``E`` without expert parallelism)
+    T  tokens
+
+Weight layout (``nn.Linear`` convention per expert, ``out x in``):
+    ``w1`` (e, H, D) gate projection, ``w3`` (e, H, D) up projection, ``w2`` (e, D, H) down
+    projection; expert ``i`` computes ``(silu(x @ w1[i].T) * (x @ w3[i].T)) @ w2[i].T``.
+    Expert parallelism shards dim 0; expert tensor parallelism shards ``w1``/``w3`` on dim 1
+    and ``w2`` on dim 2.
+
+Note [Grouped experts on local weights]: :func:`grouped_swiglu` is a pure function of plain
+tensors. :class:`GroupedExperts` calls it from :meth:`GroupedExperts.compute`, the single place a
+parallel style wraps (for example with ``torch.distributed.tensor.experimental.local_map``) to
+turn ``Shard(0)`` DTensor weights into the local ``e`` experts.
+"""
+
+# ruff: noqa: N803, N806
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtensor_moe.moe.config import ComputePath
+from dtensor_moe.moe.dispatch import TokenDispatcher
+
+__all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "resolve_compute_path"]
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    Note [grouped_mm expanded grad]: in torch 2.13 the backward of ``torch._grouped_mm``
+    raises "Invalid strides/sizes" when its upstream gradient is expanded (zero strides), as
+    produced by ``y.sum().backward()``. Placing this identity right after every grouped_mm call
+    hands it a contiguous gradient instead (free when it already is contiguous).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_mm(x_RI: torch.Tensor, w_eOI: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+    """``x_RI @ w_eOI[i].T`` per row group; see Note [grouped_mm expanded grad]."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e))
+
+
+def _grouped_mm_supported(x_RD: torch.Tensor, w1_eHD: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` needs a supported dtype and 16-byte aligned row strides."""
+    if x_RD.dtype not in _GROUPED_MM_DTYPES or x_RD.device.type not in ("cpu", "cuda"):
+        return False
+    _, H, D = w1_eHD.shape
+    return (D * x_RD.element_size()) % 16 == 0 and (H * x_RD.element_size()) % 16 == 0
+
+
+def resolve_compute_path(
+    path: ComputePath, x_RD: torch.Tensor, w1_eHD: torch.Tensor, counts: Sequence[int] | None
+) -> str:
+    """The concrete path for ``path`` (``"auto"`` or a forced one), validated.
+
+    ``auto`` picks ``bmm`` when every expert has the same non-zero count, else ``grouped_mm``
+    when supported (dtype, alignment), else ``loop``. ``counts`` are host ints, or ``None`` for
+    device counts that should not be synchronised (then ``bmm`` is never chosen automatically).
+    """
+    if path == "auto":
+        if counts is not None and len(set(counts)) == 1 and counts[0] > 0:
+            return "bmm"
+        return "grouped_mm" if _grouped_mm_supported(x_RD, w1_eHD) else "loop"
+    if path == "grouped_mm" and not _grouped_mm_supported(x_RD, w1_eHD):
+        _, H, D = w1_eHD.shape
+        raise ValueError(
+            f"compute_path='grouped_mm' needs dtype in {_GROUPED_MM_DTYPES} and dim/hidden_dim "
+            f"rows of a multiple of 16 bytes; got dtype={x_RD.dtype}, dim={D}, hidden_dim={H}. "
+            "Use compute_path='auto' or 'loop'"
+        )
+    if path == "bmm" and counts is not None and len(set(counts)) > 1:
+        raise ValueError(
+            f"compute_path='bmm' needs the same token count for every expert, got {list(counts)}; "
+            "use compute_path='auto'"
+        )
+    if path not in ("grouped_mm", "loop", "bmm"):
+        raise ValueError(f"unknown compute path {path!r}; use auto, grouped_mm, loop or bmm")
+    return path
+
+
+def _swiglu_grouped_mm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e: torch.Tensor) -> torch.Tensor:
+    offs_e = torch.cumsum(counts_e.to(x_RD.device), 0, dtype=torch.int32)
+    h_RH = F.silu(_grouped_mm(x_RD, w1_eHD, offs_e)) * _grouped_mm(x_RD, w3_eHD, offs_e)
+    return _grouped_mm(h_RH, w2_eDH, offs_e)
+
+
+def _swiglu_loop(x_RD, w1_eHD, w2_eDH, w3_eHD, counts: Sequence[int]) -> torch.Tensor:
+    outs = []
+    for i, x_cD in enumerate(torch.split(x_RD, list(counts))):
+        h_cH = F.silu(x_cD @ w1_eHD[i].T) * (x_cD @ w3_eHD[i].T)
+        outs.append(h_cH @ w2_eDH[i].T)
+    return torch.cat(outs)
+
+
+def _swiglu_bmm(x_RD, w1_eHD, w2_eDH, w3_eHD, count: int) -> torch.Tensor:
+    x_ecD = x_RD.view(w1_eHD.shape[0], count, x_RD.shape[-1])
+    h_ecH = F.silu(torch.bmm(x_ecD, w1_eHD.transpose(1, 2))) * torch.bmm(x_ecD, w3_eHD.transpose(1, 2))
+    return torch.bmm(h_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
+
+
+def grouped_swiglu(
+    x_RD: torch.Tensor,
+    w1_eHD: torch.Tensor,
+    w2_eDH: torch.Tensor,
+    w3_eHD: torch.Tensor,
+    counts_e: torch.Tensor | Sequence[int],
+    path: ComputePath = "auto",
+) -> torch.Tensor:
+    """SwiGLU of each row group with its expert's weights: plain tensors in, ``(R, D)`` out.
+
+    Rows ``[c_0 + ... + c_{i-1}, c_0 + ... + c_i)`` go to expert ``i``; ``counts_e`` must sum
+    to ``R``. All paths give the same result (up to float rounding for ``bmm``). ``counts_e``
+    is read on the host for ``auto`` and ``loop``/``bmm``, unless it is a tensor on an
+    accelerator, where ``auto`` keeps it there and picks ``grouped_mm``.
+    """
+    e = w1_eHD.shape[0]
+    if len(counts_e) != e:
+        raise ValueError(f"counts_e has {len(counts_e)} entries but the weights hold {e} experts")
+    counts = _host_counts(counts_e, path)
+    chosen = resolve_compute_path(path, x_RD, w1_eHD, counts)
+    if chosen != "grouped_mm" and counts is None:
+        counts = counts_e.tolist()
+        chosen = resolve_compute_path(chosen, x_RD, w1_eHD, counts)
+    if counts is not None and sum(counts) != x_RD.shape[0]:
+        raise ValueError(f"counts_e sums to {sum(counts)} but x_RD has {x_RD.shape[0]} rows")
+    if chosen == "grouped_mm":
+        if not isinstance(counts_e, torch.Tensor):
+            counts_e = torch.tensor(counts, dtype=torch.int64)
+        return _swiglu_grouped_mm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e)
+    if chosen == "bmm":
+        return _swiglu_bmm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts[0])
+    return _swiglu_loop(x_RD, w1_eHD, w2_eDH, w3_eHD, counts)
+
+
+def _host_counts(counts_e: torch.Tensor | Sequence[int], path: ComputePath) -> list[int] | None:
+    """Counts as host ints, or ``None`` to leave accelerator counts unsynchronised."""
+    if not isinstance(counts_e, torch.Tensor):
+        return [int(c) for c in counts_e]
+    if counts_e.device.type != "cpu" and path in ("auto", "grouped_mm"):
+        return None
+    return counts_e.tolist()
+
+
+class GroupedExperts(nn.Module):
+    """Routed SwiGLU experts with stacked weights and the token dispatcher that feeds them.
+
+    Keyword Args:
+        dim: ``D``.
+        hidden_dim: ``H`` of each expert.
+        num_experts: ``E``.
+        compute_path: see :func:`grouped_swiglu`.
+        dispatcher: a :class:`TokenDispatcher` (default: local, no padding, scores in combine).
+            Parallel styles replace it with a communicating subclass.
+        init_std: std of the normal weight initialisation.
+
+    Forward: ``(x_TD, topk_scores_TK, topk_ids_TK, counts_E) -> y_TD``. The collectives are
+    the dispatcher's; this module adds none.
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        compute_path: ComputePath = "auto",
+        dispatcher: TokenDispatcher | None = None,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.compute_path = compute_path
+        self.init_std = init_std
+        self.dispatcher = dispatcher if dispatcher is not None else TokenDispatcher(num_experts=num_experts)
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.normal_(w, std=self.init_std)
+
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        counts_E: torch.Tensor,
+    ) -> torch.Tensor:
+        routed_RD, counts_e, metadata = self.dispatcher.dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        out_RD = self.compute(routed_RD, counts_e)
+        return self.dispatcher.combine(out_RD, metadata)
+
+    def compute(self, routed_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        """Expert math on the routed buffer; see Note [Grouped experts on local weights]."""
+        return grouped_swiglu(routed_RD, self.w1, self.w2, self.w3, counts_e, self.compute_path)
+
+    def extra_repr(self) -> str:
+        E, H, D = self.w1.shape
+        return f"num_experts={E}, dim={D}, hidden_dim={H}, compute_path={self.compute_path!r}, dispatcher={self.dispatcher!r}"
+
+
+class SharedExperts(nn.Module):
+    """Always-on SwiGLU MLP: ``n`` shared experts of hidden ``h`` fused into one of ``n * h``.
+
+    Fusing is exact: the sum of ``n`` SwiGLU experts equals one SwiGLU whose hidden units are
+    their concatenation. No collective runs here.
+    """
+
+    def __init__(self, *, dim: int, hidden_dim: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.init_std = init_std
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.w1, self.w2, self.w3):
+            nn.init.normal_(lin.weight, std=self.init_std)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))

@@ -1,0 +1,91 @@
+"""The MoE layer: router, routed experts (dispatcher + grouped experts), shared experts.
+
+Shape legend:
+    B  sequences, L  tokens per sequence, T = B * L
+    D  model width
+    K  experts per token
+
+Data flow (one rank)::
+
+    x (B, L, D) -> x_TD -> router -> topk_scores_TK, topk_ids_TK, counts_E (, aux_loss)
+      -> experts: dispatch -> grouped SwiGLU -> combine -> y_TD
+      -> (+ shared_experts(x_TD)) -> attach aux loss -> y (B, L, D)
+"""
+
+# ruff: noqa: N803, N806
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dtensor_moe.moe.balance import attach_aux_loss
+from dtensor_moe.moe.config import MoEConfig
+from dtensor_moe.moe.dispatch import TokenDispatcher
+from dtensor_moe.moe.experts import GroupedExperts, SharedExperts
+from dtensor_moe.moe.router import TokenChoiceTopKRouter
+
+__all__ = ["MoE"]
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts feed-forward layer; ``y = moe(x)`` keeps shape, dtype and device.
+
+    Children:
+        ``router`` (:class:`TokenChoiceTopKRouter`), ``experts`` (:class:`GroupedExperts`,
+        owning ``experts.dispatcher``), ``shared_experts`` (:class:`SharedExperts` or ``None``).
+
+    Example::
+
+        moe = MoE(MoEConfig(dim=256, hidden_dim=512, num_experts=8, top_k=2))
+        y = moe(torch.randn(4, 128, 256))
+
+    No collective runs in forward or backward of the single-process layer; parallel styles add
+    them through the dispatcher and the DTensor weights.
+    """
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"MoE expects a MoEConfig, got {type(config).__name__}")
+        self.config = config
+        self.router = TokenChoiceTopKRouter(config)
+        dispatcher = TokenDispatcher(
+            num_experts=config.num_experts,
+            pad_multiple=config.pad_multiple,
+            score_before_experts=config.score_before_experts,
+        )
+        self.experts = GroupedExperts(
+            dim=config.dim,
+            hidden_dim=config.hidden_dim,
+            num_experts=config.num_experts,
+            compute_path=config.compute_path,
+            dispatcher=dispatcher,
+            init_std=config.init_std,
+        )
+        self.shared_experts = None
+        if config.num_shared_experts > 0:
+            self.shared_experts = SharedExperts(
+                dim=config.dim, hidden_dim=config.shared_hidden_total, init_std=config.init_std
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        B, L, D = x.shape
+        x_TD = x.reshape(B * L, D)
+        routing = self.router(x_TD, num_sequences=B)
+        y_TD = self.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        if routing.aux_loss is not None:
+            y_TD = attach_aux_loss(y_TD, routing.aux_loss)
+        return y_TD.view(B, L, D)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 3 or x.shape[-1] != self.config.dim:
+            raise ValueError(
+                f"MoE expects x of shape (batch, seq_len, dim={self.config.dim}), got "
+                f"{tuple(x.shape)}; reshape the input or fix MoEConfig.dim"
+            )
+        if not x.is_floating_point():
+            raise ValueError(f"MoE expects a floating-point input, got dtype={x.dtype}")

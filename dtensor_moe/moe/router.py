@@ -1,0 +1,183 @@
+"""Token-choice top-k router with group-limited routing and load-balancing statistics.
+
+Shape legend:
+    T  tokens routed by this rank (``B * L`` flattened)
+    D  model width (``MoEConfig.dim``)
+    E  routed experts (global count)
+    K  experts per token (``MoEConfig.top_k``)
+    B  sequences in the batch, L tokens per sequence
+    G  expert groups, S experts per group (``G * S == E``)
+"""
+
+# ruff: noqa: N803, N806
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtensor_moe.moe.config import MoEConfig
+
+__all__ = ["RouterOutput", "TokenChoiceTopKRouter", "sequence_aux_loss"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RouterOutput:
+    """What one router forward hands to the dispatcher.
+
+    Attributes:
+        topk_scores_TK: combine weights of the selected experts, in the input dtype.
+        topk_ids_TK: selected expert ids (int64), in ``[0, E)``.
+        counts_E: tokens this forward sent to each expert (int64). A plain tensor, so that a
+            parallel layer can all-reduce it.
+        aux_loss: the sequence-level auxiliary loss, already multiplied by
+            ``aux_loss_coeff`` (0-dim float32), or ``None`` when disabled or not training.
+    """
+
+    topk_scores_TK: torch.Tensor
+    topk_ids_TK: torch.Tensor
+    counts_E: torch.Tensor
+    aux_loss: torch.Tensor | None
+
+
+def _in_backward_pass() -> bool:
+    """Whether this code runs inside an autograd backward pass.
+
+    Note [Counting under activation checkpointing]: ``torch.utils.checkpoint`` re-runs the
+    forward inside the backward pass (both the reentrant and the non-reentrant variant). The
+    router must not count those tokens a second time. ``torch._C._current_graph_task_id`` is
+    ``-1`` outside a backward pass; torch's own checkpoint code relies on the same call.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def _limit_to_top_groups(select_TE: torch.Tensor, num_groups: int, num_limited: int) -> torch.Tensor:
+    """Mask (``-inf``) the experts outside each token's ``num_limited`` best groups.
+
+    A group's score is the sum of its two best expert scores (one when a group has one expert).
+    """
+    T, E = select_TE.shape
+    select_TGS = select_TE.view(T, num_groups, E // num_groups)
+    best = min(2, E // num_groups)
+    group_scores_TG = select_TGS.topk(best, dim=-1).values.sum(dim=-1)
+    top_groups_TL = group_scores_TG.topk(num_limited, dim=-1).indices
+    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, top_groups_TL, True)
+    return select_TGS.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
+
+
+def sequence_aux_loss(
+    scores_TE: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    *,
+    num_sequences: int,
+    coeff: float,
+) -> torch.Tensor:
+    """Sequence-level balance loss ``coeff * mean_b sum_e f_be * P_be`` (DeepSeek-V3 style).
+
+    ``f_be = E / (K * L) * (tokens of sequence b that selected e)`` is a constant;
+    ``P_be`` is the mean over the sequence of the per-token normalised scores, so the gradient
+    reaches the router through ``P`` only. ``scores_TE`` must already be normalised per token
+    (softmax output, or sigmoid scores divided by their sum). Tokens are laid out sequence by
+    sequence: ``T == num_sequences * L``.
+    """
+    T, E = scores_TE.shape
+    K = topk_ids_TK.shape[-1]
+    if T == 0:
+        return scores_TE.sum() * 0.0
+    L = T // num_sequences
+    P_BE = scores_TE.view(num_sequences, L, E).mean(dim=1)
+    ids_BX = topk_ids_TK.reshape(num_sequences, L * K)
+    hits_BE = torch.zeros_like(P_BE).scatter_add_(1, ids_BX, torch.ones_like(ids_BX, dtype=P_BE.dtype))
+    f_BE = hits_BE * (E / (K * L))
+    return coeff * (f_BE * P_BE).sum(dim=-1).mean()
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """Each token picks its ``top_k`` experts from a linear gate.
+
+    Buffers:
+        ``expert_bias`` (E, float32, persistent; only with ``use_expert_bias``): added to the
+        scores for expert *selection* only, never to the combine weights.
+        ``tokens_per_expert`` (E, int64, not persistent): tokens routed to each expert since
+        the last :func:`~dtensor_moe.moe.update_expert_bias`, counted in training mode and not
+        again during activation-checkpoint recompute.
+
+    Attributes:
+        last_aux_loss: detached value of the last auxiliary loss, for logging only (``None``
+            before the first training forward or when the loss is disabled). Nothing reads it.
+
+    No collective runs in forward or backward.
+    """
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = nn.Linear(config.dim, config.num_experts, bias=False)
+        bias = torch.zeros(config.num_experts) if config.use_expert_bias else None
+        self.register_buffer("expert_bias", bias, persistent=True)
+        counts = torch.zeros(config.num_experts, dtype=torch.int64)
+        self.register_buffer("tokens_per_expert", counts, persistent=False)
+        self.last_aux_loss: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gate.weight, std=self.config.init_std)
+
+    def forward(self, x_TD: torch.Tensor, *, num_sequences: int = 1) -> RouterOutput:
+        cfg = self.config
+        scores_TE = self._scores(x_TD)
+        topk_ids_TK = self._select(scores_TE)
+        topk_scores_TK = scores_TE.gather(-1, topk_ids_TK)
+        if cfg.route_norm:
+            topk_scores_TK = topk_scores_TK / (topk_scores_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        topk_scores_TK = topk_scores_TK * cfg.route_scale
+        counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
+        aux_loss = None
+        if self.training and cfg.aux_loss_coeff > 0:
+            aux_loss = self._aux_loss(scores_TE, topk_ids_TK, num_sequences)
+        if self.training and not _in_backward_pass():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts_E)
+        return RouterOutput(
+            topk_scores_TK=topk_scores_TK.to(x_TD.dtype),
+            topk_ids_TK=topk_ids_TK,
+            counts_E=counts_E,
+            aux_loss=aux_loss,
+        )
+
+    def _scores(self, x_TD: torch.Tensor) -> torch.Tensor:
+        logits_TE = self.gate(x_TD).float()
+        if self.config.score_func == "softmax":
+            return F.softmax(logits_TE, dim=-1)
+        return torch.sigmoid(logits_TE)
+
+    def _select(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """Expert ids of each token: top-k of the (biased, group-limited) detached scores."""
+        cfg = self.config
+        select_TE = scores_TE.detach()
+        if self.expert_bias is not None:
+            select_TE = select_TE + self.expert_bias
+        if cfg.num_expert_groups is not None and cfg.num_limited_groups < cfg.num_expert_groups:
+            select_TE = _limit_to_top_groups(select_TE, cfg.num_expert_groups, cfg.num_limited_groups)
+        return select_TE.topk(cfg.top_k, dim=-1).indices
+
+    def _aux_loss(
+        self, scores_TE: torch.Tensor, topk_ids_TK: torch.Tensor, num_sequences: int
+    ) -> torch.Tensor:
+        if self.config.score_func == "sigmoid":
+            scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
+        aux_loss = sequence_aux_loss(
+            scores_TE, topk_ids_TK, num_sequences=num_sequences, coeff=self.config.aux_loss_coeff
+        )
+        self.last_aux_loss = aux_loss.detach()
+        return aux_loss
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return (
+            f"num_experts={cfg.num_experts}, top_k={cfg.top_k}, score_func={cfg.score_func!r}, "
+            f"expert_bias={cfg.use_expert_bias}, aux_loss_coeff={cfg.aux_loss_coeff}"
+        )

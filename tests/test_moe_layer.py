@@ -1,0 +1,296 @@
+"""The MoE layer against a naive per-token reference: outputs, input grad, every param grad.
+
+Shape legend: B sequences, L tokens per sequence, T = B * L, D dim, E experts, K top_k.
+"""
+
+# ruff: noqa: N803, N806
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from dtensor_moe.moe import MoE, MoEConfig, update_expert_bias
+
+D, H, E = 16, 32, 4
+TOL = 1e-5
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
+    """Within 1e-5 relative, elementwise or to the tensor's largest magnitude (fp32 rounding
+    of elements near zero)."""
+    atol = TOL * float(expected.detach().abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=TOL, atol=atol, msg=msg)
+
+
+def make_moe(seed: int = 0, **overrides) -> MoE:
+    torch.manual_seed(seed)
+    fields = dict(dim=D, hidden_dim=H, num_experts=E, top_k=2, init_std=0.3)
+    fields.update(overrides)
+    return MoE(MoEConfig(**fields))
+
+
+def _swiglu(x, w1, w2, w3):
+    return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+
+def _reference_routing(moe: MoE, x_D: torch.Tensor):
+    """Scores of one token and its selected expert ids, written independently of the layer."""
+    cfg, router = moe.config, moe.router
+    logits = (router.gate.weight @ x_D).float()
+    scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
+    select = scores.detach().clone()
+    if router.expert_bias is not None:
+        select = select + router.expert_bias
+    if cfg.num_expert_groups is not None:
+        per_group = E // cfg.num_expert_groups
+        grouped = select.view(cfg.num_expert_groups, per_group)
+        group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)
+        keep = group_score.topk(cfg.num_limited_groups).indices
+        mask = torch.full_like(grouped, float("-inf"))
+        mask[keep] = 0
+        select = (grouped + mask).view(-1)
+    ids = select.topk(cfg.top_k).indices
+    return scores, ids
+
+
+def reference_moe(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loop over tokens: sum_k w_k * expert_k(x) (+ each shared expert); also the aux loss."""
+    cfg = moe.config
+    B, L, _ = x.shape
+    ex, sh = moe.experts, moe.shared_experts
+    outs, all_scores, all_ids = [], [], []
+    for x_D in x.reshape(B * L, D):
+        scores, ids = _reference_routing(moe, x_D)
+        w = scores[ids]
+        if cfg.route_norm:
+            w = w / w.sum()
+        w = w * cfg.route_scale
+        y_D = x_D.new_zeros(D)
+        for w_k, i in zip(w, ids.tolist()):
+            if cfg.score_before_experts:
+                y_D = y_D + _swiglu(w_k * x_D, ex.w1[i], ex.w2[i], ex.w3[i])
+            else:
+                y_D = y_D + w_k * _swiglu(x_D, ex.w1[i], ex.w2[i], ex.w3[i])
+        if sh is not None:
+            h = cfg.shared_hidden_total // cfg.num_shared_experts
+            for s in range(cfg.num_shared_experts):
+                rows = slice(s * h, (s + 1) * h)
+                y_D = y_D + _swiglu(x_D, sh.w1.weight[rows], sh.w2.weight[:, rows], sh.w3.weight[rows])
+        outs.append(y_D)
+        all_scores.append(scores)
+        all_ids.append(ids)
+    y = torch.stack(outs).view(B, L, D) if outs else x * 0
+    return y, _reference_aux_loss(cfg, all_scores, all_ids, B, L)
+
+
+def _reference_aux_loss(cfg, all_scores, all_ids, B, L) -> torch.Tensor:
+    if cfg.aux_loss_coeff == 0 or L == 0:
+        return torch.zeros(())
+    total = torch.zeros(())
+    for b in range(B):
+        scores = torch.stack(all_scores[b * L : (b + 1) * L])
+        if cfg.score_func == "sigmoid":
+            scores = scores / scores.sum(-1, keepdim=True)
+        hits = torch.zeros(E)
+        for ids in all_ids[b * L : (b + 1) * L]:
+            hits[ids] += 1
+        f = hits * E / (cfg.top_k * L)
+        total = total + (f * scores.mean(0)).sum()
+    return cfg.aux_loss_coeff * total / B
+
+
+def assert_matches_reference(moe: MoE, x: torch.Tensor, seed: int = 1) -> None:
+    ref = copy.deepcopy(moe)
+    x_ref = x.detach().clone().requires_grad_()
+    x = x.detach().clone().requires_grad_()
+    y = moe(x)
+    y_ref, aux_ref = reference_moe(ref, x_ref)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    close(y, y_ref)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+    (y * g).sum().backward()
+    ((y_ref * g).sum() + aux_ref).backward()
+    close(x.grad, x_ref.grad)
+    for (name, p), p_ref in zip(moe.named_parameters(), ref.parameters()):
+        expected = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)
+        assert p.grad is not None, name
+        close(p.grad, expected, msg=name)
+
+
+GRID = list(
+    itertools.product([1, 3], [1, 7, 64], [1, 2, E], ["softmax", "sigmoid"], [0, 2])
+)
+
+
+@pytest.mark.parametrize("B,L,top_k,score_func,num_shared", GRID)
+def test_matches_reference(B, L, top_k, score_func, num_shared):
+    moe = make_moe(top_k=top_k, score_func=score_func, num_shared_experts=num_shared, shared_hidden_dim=8)
+    assert_matches_reference(moe, torch.randn(B, L, D))
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_forced_paths_match_reference(path, top_k):
+    assert_matches_reference(make_moe(top_k=top_k, compute_path=path), torch.randn(2, 9, D))
+
+
+def test_bmm_path_matches_reference():
+    """top_k == E gives every expert all T tokens, the equal-count case."""
+    assert_matches_reference(make_moe(top_k=E, compute_path="bmm"), torch.randn(2, 5, D))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(route_norm=True, route_scale=2.5),
+        dict(score_func="sigmoid", route_norm=True, top_k=3),
+        dict(score_before_experts=True),
+        dict(score_before_experts=True, pad_multiple=4, compute_path="loop"),
+        dict(pad_multiple=8),
+        dict(pad_multiple=3, top_k=1, compute_path="loop"),
+        dict(num_expert_groups=2, num_limited_groups=1),
+        dict(num_expert_groups=4, num_limited_groups=2, score_func="sigmoid", route_norm=True),
+        dict(use_expert_bias=True),
+        dict(aux_loss_coeff=0.1),
+        dict(aux_loss_coeff=0.1, score_func="sigmoid", num_shared_experts=1),
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_options_match_reference(overrides):
+    moe = make_moe(**overrides)
+    if moe.router.expert_bias is not None:
+        moe.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+    assert_matches_reference(moe, torch.randn(3, 7, D))
+
+
+def test_experts_with_zero_tokens():
+    """A gate that sends every token to experts 0 and 1 leaves experts 2 and 3 empty."""
+    moe = make_moe(num_shared_experts=1)
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[:2] = 1.0
+    x = torch.rand(2, 7, D) + 0.5
+    assert_matches_reference(moe, x)
+    assert moe.experts.w1.grad[2:].abs().max() == 0
+    assert moe.router.tokens_per_expert[2:].sum() == 0
+
+
+@pytest.mark.parametrize("path", ["auto", "loop", "grouped_mm", "bmm"])
+@pytest.mark.parametrize("shape", [(0, 5, D), (2, 0, D)])
+def test_zero_tokens(path, shape):
+    moe = make_moe(compute_path=path, num_shared_experts=1, aux_loss_coeff=0.1, pad_multiple=4)
+    x = torch.randn(shape, requires_grad=True)
+    y = moe(x)
+    assert y.shape == shape
+    y.sum().backward()
+    assert x.grad.shape == shape
+    for name, p in moe.named_parameters():
+        assert p.grad is None or p.grad.abs().max() == 0, name
+
+
+def test_bf16_close_to_fp32():
+    """bf16 runs and stays within 3e-2 (relative to the output scale) of fp32."""
+    moe = make_moe(num_shared_experts=1)
+    moe_bf16 = copy.deepcopy(moe).to(torch.bfloat16)
+    x = torch.randn(3, 16, D)
+    y = moe(x)
+    y_bf16 = moe_bf16(x.to(torch.bfloat16))
+    assert y_bf16.dtype == torch.bfloat16
+    scale = float(y.detach().abs().max())
+    torch.testing.assert_close(y_bf16.float(), y, rtol=0, atol=3e-2 * scale)
+    y_bf16.float().sum().backward()
+    y.sum().backward()
+    for p, p16 in zip(moe.parameters(), moe_bf16.parameters()):
+        torch.testing.assert_close(p16.grad.float(), p.grad, rtol=0, atol=3e-2 * float(p.grad.abs().max()))
+
+
+def test_sum_backward_through_grouped_mm_path():
+    """y.sum() gives an expanded grad, which torch's grouped_mm backward rejects on CPU."""
+    moe = make_moe(compute_path="grouped_mm")
+    x = torch.randn(2, 7, D, requires_grad=True)
+    moe(x).sum().backward()
+    assert x.grad is not None and moe.experts.w2.grad is not None
+
+
+def test_same_bits_run_to_run():
+    moe = make_moe(top_k=3, num_shared_experts=1, aux_loss_coeff=0.01)
+    x = torch.randn(3, 64, D)
+    results = []
+    for _ in range(2):
+        moe.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+        results.append([y.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _grads(moe: MoE, x: torch.Tensor) -> list[torch.Tensor]:
+    return [x.grad] + [p.grad for p in moe.parameters()]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpoint(use_reentrant):
+    moe = make_moe(num_shared_experts=1, aux_loss_coeff=0.1, use_expert_bias=True, pad_multiple=4)
+    moe_ckpt = copy.deepcopy(moe)
+    x = torch.randn(2, 7, D, requires_grad=True)
+    x_ckpt = x.detach().clone().requires_grad_()
+    moe(x).square().sum().backward()
+    y = checkpoint(moe_ckpt, x_ckpt, use_reentrant=use_reentrant)
+    y.square().sum().backward()
+    for a, b in zip(_grads(moe, x), _grads(moe_ckpt, x_ckpt)):
+        close(a, b)
+    assert torch.equal(moe.router.tokens_per_expert, moe_ckpt.router.tokens_per_expert)
+    assert moe_ckpt.router.tokens_per_expert.sum() == 2 * 7 * 2
+
+
+def test_two_forwards_before_backward():
+    """Two micro-batches in flight (different shapes) give the grads of two separate steps."""
+    moe = make_moe(num_shared_experts=1, aux_loss_coeff=0.1, pad_multiple=4)
+    moe_seq = copy.deepcopy(moe)
+    x1, x2 = torch.randn(2, 7, D), torch.randn(1, 5, D)
+    y1, y2 = moe(x1), moe(x2)
+    (y1.sum() + 2 * y2.sum()).backward()
+    moe_seq(x1).sum().backward()
+    (2 * moe_seq(x2).sum()).backward()
+    for p, q in zip(moe.parameters(), moe_seq.parameters()):
+        close(p.grad, q.grad)
+
+
+def test_public_api_and_children():
+    import dtensor_moe
+
+    assert dtensor_moe.moe.MoE is MoE
+    moe = MoE(MoEConfig(dim=256, hidden_dim=512, num_experts=8, top_k=2))
+    assert moe.shared_experts is None
+    assert moe.experts.w1.shape == (8, 512, 256)
+    assert moe.experts.w2.shape == (8, 256, 512)
+    assert moe.experts.w3.shape == (8, 512, 256)
+    assert moe.router.gate.weight.shape == (8, 256)
+    assert moe.experts.dispatcher.num_experts == 8
+    x = torch.randn(2, 3, 256)
+    assert moe(x).shape == (2, 3, 256)
+    assert "expert_bias" not in moe.state_dict()
+
+
+def test_update_expert_bias_from_optimizer_hook():
+    moe = make_moe(use_expert_bias=True)
+    opt = torch.optim.SGD(moe.parameters(), lr=0.1)
+    opt.register_step_post_hook(lambda *_: update_expert_bias(moe, 0.01))
+    moe(torch.randn(2, 7, D)).sum().backward()
+    counts = moe.router.tokens_per_expert.clone()
+    assert counts.sum() == 2 * 7 * 2
+    opt.step()
+    assert moe.router.tokens_per_expert.sum() == 0
+    bias = moe.router.expert_bias
+    expected = torch.sign(counts.double().mean() - counts.double())
+    expected = (expected - expected.mean()) * 0.01
+    torch.testing.assert_close(bias, expected.float())
+    assert "router.expert_bias" in moe.state_dict()

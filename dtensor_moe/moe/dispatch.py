@@ -19,10 +19,11 @@ exchange between the steps: sort by global expert without padding, permute, scal
 one forward needs goes into its metadata (a frozen dataclass that may subclass
 :class:`DispatchMetadata`), never onto ``self``.
 
-Note [Deterministic combine]: no step accumulates with atomics. Forward gathers rows by index.
-Backward of the token gather sums the ``K`` copies of a token in a fixed order (a gather
-followed by ``sum`` over ``K``) instead of ``index_add``; the other gathers have unique
-indices, so their backward writes every row at most once. Results are the same bits run to run.
+Note [Deterministic combine]: no step accumulates with atomics or ``index_add``. Forward
+gathers rows by index. The backward of the token gather sums the ``K`` row gradients of each
+token in a fixed order (a gather followed by ``sum`` over ``K``); the backward of the combine
+gather copies each gradient row to its unique routed row (``index_copy``). Results are the same
+bits run to run, on CPU and on accelerators.
 """
 
 # ruff: noqa: N803, N806
@@ -169,6 +170,22 @@ def scores_in_rows(scores_TK: torch.Tensor, layout: ExpertLayout) -> torch.Tenso
     return scores_N.new_zeros(layout.num_rows).index_copy(0, layout.row_N, scores_N)
 
 
+class _UnpermuteRows(torch.autograd.Function):
+    """``out_ND = src_RD[row_N]`` with unique ``row_N``; backward writes each row once."""
+
+    @staticmethod
+    def forward(ctx: Any, src_RD: torch.Tensor, row_N: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(row_N)
+        ctx.num_rows = src_RD.shape[0]
+        return src_RD.index_select(0, row_N)
+
+    @staticmethod
+    def backward(ctx: Any, grad_ND: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (row_N,) = ctx.saved_tensors
+        grad_RD = grad_ND.new_zeros(ctx.num_rows, grad_ND.shape[-1])
+        return grad_RD.index_copy_(0, row_N, grad_ND), None
+
+
 def unpermute_and_reduce(
     out_RD: torch.Tensor, row_TK: torch.Tensor, scores_TK: torch.Tensor | None
 ) -> torch.Tensor:
@@ -178,7 +195,7 @@ def unpermute_and_reduce(
     (alignment padding) reach neither the output nor the gradients.
     """
     T, K = row_TK.shape
-    out_TKD = out_RD.index_select(0, row_TK.reshape(-1)).view(T, K, out_RD.shape[-1])
+    out_TKD = _UnpermuteRows.apply(out_RD, row_TK.reshape(-1)).view(T, K, out_RD.shape[-1])
     if scores_TK is None:
         return out_TKD[:, 0] if K == 1 else out_TKD.sum(dim=1)
     if K == 1:

@@ -1,0 +1,204 @@
+"""Dispatcher (round trip, grouping, padding, metadata, no state) and grouped expert paths.
+
+Shape legend: T tokens, D dim, E experts, K top_k, R routed rows, H hidden.
+"""
+
+# ruff: noqa: N803, N806
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtensor_moe.moe import DispatchMetadata, MoE, MoEConfig, TokenDispatcher, grouped_swiglu, sort_by_expert
+from dtensor_moe.moe.experts import resolve_compute_path
+
+D, H, E = 16, 32, 4
+
+
+def routing(T: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.long)
+    scores_TK = torch.rand(T, K, generator=g)
+    return scores_TK, ids_TK, torch.bincount(ids_TK.flatten(), minlength=E)
+
+
+@pytest.mark.parametrize("pad_multiple", [1, 3, 8])
+@pytest.mark.parametrize("K", [1, 2, E])
+def test_round_trip(pad_multiple, K):
+    """Identity experts and scores of 1/K: combine(dispatch(x)) == x."""
+    x_TD = torch.randn(13, D)
+    _, ids_TK, counts_E = routing(13, K)
+    scores_TK = torch.full((13, K), 1.0 / K)
+    dispatcher = TokenDispatcher(num_experts=E, pad_multiple=pad_multiple)
+    routed_RD, counts_e, meta = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    torch.testing.assert_close(dispatcher.combine(routed_RD, meta), x_TD)
+    assert int(counts_e.sum()) == routed_RD.shape[0]
+    assert all(c % pad_multiple == 0 for c in counts_e.tolist())
+
+
+@pytest.mark.parametrize("pad_multiple", [1, 4])
+def test_rows_grouped_by_expert_in_token_order(pad_multiple):
+    x_TD = torch.arange(11, dtype=torch.float32).unsqueeze(-1).expand(11, D).contiguous()
+    scores_TK, ids_TK, counts_E = routing(11, 2)
+    dispatcher = TokenDispatcher(num_experts=E, pad_multiple=pad_multiple)
+    routed_RD, counts_e, _ = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    start = 0
+    for i, (rows, real) in enumerate(zip(counts_e.tolist(), counts_E.tolist())):
+        tokens = [t for t in range(11) if i in ids_TK[t].tolist()]
+        group = routed_RD[start : start + rows, 0]
+        assert group[:real].tolist() == tokens
+        assert (routed_RD[start + real : start + rows] == 0).all()
+        start += rows
+
+
+def test_padding_never_reaches_output_or_grads():
+    x_TD = torch.randn(9, D, requires_grad=True)
+    scores_TK, ids_TK, counts_E = routing(9, 2)
+    scores_TK.requires_grad_()
+    layout = sort_by_expert(ids_TK, counts_E, pad_multiple=8)
+    padding = torch.ones(layout.num_rows, dtype=torch.bool)
+    padding[layout.row_TK.flatten()] = False
+    dispatcher = TokenDispatcher(num_experts=E, pad_multiple=8)
+    routed_RD, _, meta = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    out_RD = (routed_RD * 2).detach().requires_grad_()
+    poisoned = out_RD.masked_fill(padding.unsqueeze(-1), float("nan"))
+    y_TD = dispatcher.combine(poisoned, meta)
+    assert torch.isfinite(y_TD).all()
+    y_TD.sum().backward()
+    assert (out_RD.grad[padding] == 0).all()
+    grad_RD = torch.randn_like(routed_RD).masked_fill(padding.unsqueeze(-1), float("nan"))
+    routed_RD.backward(grad_RD)
+    assert torch.isfinite(x_TD.grad).all()
+
+
+def test_dispatch_backward_sums_token_copies():
+    x_TD = torch.randn(6, D, requires_grad=True)
+    scores_TK, ids_TK, counts_E = routing(6, 3)
+    routed_RD, _, meta = TokenDispatcher(num_experts=E, pad_multiple=5).dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    grad_RD = torch.randn_like(routed_RD)
+    routed_RD.backward(grad_RD)
+    expected = grad_RD[meta.row_TK].sum(dim=1)
+    assert torch.equal(x_TD.grad, expected)
+
+
+@pytest.mark.parametrize("pad_multiple", [1, 4])
+def test_score_before_experts_scales_rows(pad_multiple):
+    x_TD = torch.randn(7, D)
+    scores_TK, ids_TK, counts_E = routing(7, 2)
+    dispatcher = TokenDispatcher(num_experts=E, pad_multiple=pad_multiple, score_before_experts=True)
+    routed_RD, _, meta = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    assert meta.scores_TK is None
+    torch.testing.assert_close(routed_RD[meta.row_TK], x_TD.unsqueeze(1) * scores_TK.unsqueeze(-1))
+
+
+def test_metadata_is_frozen_kw_only_slots():
+    scores_TK, ids_TK, counts_E = routing(3, 2)
+    _, _, meta = TokenDispatcher(num_experts=E).dispatch(torch.randn(3, D), scores_TK, ids_TK, counts_E)
+    assert isinstance(meta, DispatchMetadata)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta.scores_TK = None
+    assert not hasattr(meta, "__dict__")
+    with pytest.raises(TypeError):
+        DispatchMetadata(meta.row_TK, meta.scores_TK)
+
+
+def test_forward_leaves_no_state_on_modules():
+    moe = MoE(MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=2, pad_multiple=4, num_shared_experts=1))
+    before = {name: dict(vars(m)) for name, m in moe.named_modules()}
+    dispatcher_before = dict(vars(moe.experts.dispatcher))
+    moe(torch.randn(2, 5, D)).sum().backward()
+    for name, m in moe.named_modules():
+        assert vars(m).keys() == before[name].keys(), name
+        for key in ("_parameters", "_buffers", "_modules"):
+            assert vars(m)[key].keys() == before[name][key].keys(), name
+    assert vars(moe.experts.dispatcher) == dispatcher_before
+
+
+def _weights(seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(E, H, D, generator=g, dtype=dtype) * 0.3
+    w2 = torch.randn(E, D, H, generator=g, dtype=dtype) * 0.3
+    w3 = torch.randn(E, H, D, generator=g, dtype=dtype) * 0.3
+    return [w.requires_grad_() for w in (w1, w2, w3)]
+
+
+def _run(path: str, counts: list[int], dtype=torch.float32):
+    torch.manual_seed(1)
+    x_RD = torch.randn(sum(counts), D, dtype=dtype, requires_grad=True)
+    ws = _weights(dtype=dtype)
+    y = grouped_swiglu(x_RD, *ws, torch.tensor(counts), path)
+    y.backward(torch.ones_like(y) * torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y))
+    return [y.detach(), x_RD.grad] + [w.grad for w in ws]
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 3, 9], [0, 0, 0, 0], [0, 0, 7, 0], [4, 4, 4, 4]])
+def test_paths_agree(counts):
+    loop = _run("loop", counts)
+    for path in ["grouped_mm"] + (["bmm"] if len(set(counts)) == 1 else []):
+        for a, b in zip(_run(path, counts), loop):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_paths_match_plain_math():
+    counts = [2, 0, 3, 1]
+    x_RD = torch.randn(6, D)
+    w1, w2, w3 = (w.detach() for w in _weights())
+    expected = []
+    for i, x_cD in enumerate(x_RD.split(counts)):
+        expected.append((F.silu(x_cD @ w1[i].T) * (x_cD @ w3[i].T)) @ w2[i].T)
+    torch.testing.assert_close(grouped_swiglu(x_RD, w1, w2, w3, counts), torch.cat(expected))
+
+
+def test_torch_grouped_mm_rejects_expanded_grad():
+    """Documents the torch 2.13 CPU bug that ``_ContiguousGrad`` works around.
+
+    If this test starts failing, torch fixed the bug and the workaround can go.
+    """
+    x_RD = torch.randn(8, D, requires_grad=True)
+    w_EHD = torch.randn(E, H, D, requires_grad=True)
+    offs = torch.tensor([2, 4, 6, 8], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="Invalid strides/sizes"):
+        torch._grouped_mm(x_RD, w_EHD.transpose(-2, -1), offs=offs).sum().backward()
+
+
+def test_grouped_swiglu_accepts_expanded_grad():
+    x_RD = torch.randn(8, D, requires_grad=True)
+    ws = _weights()
+    grouped_swiglu(x_RD, *ws, [2, 2, 1, 3], "grouped_mm").sum().backward()
+    x_loop = x_RD.detach().clone().requires_grad_()
+    ws_loop = [w.detach().clone().requires_grad_() for w in ws]
+    grouped_swiglu(x_loop, *ws_loop, [2, 2, 1, 3], "loop").sum().backward()
+    torch.testing.assert_close(x_RD.grad, x_loop.grad)
+    for w, w_loop in zip(ws, ws_loop):
+        torch.testing.assert_close(w.grad, w_loop.grad)
+
+
+def test_bf16_paths_agree():
+    counts = [5, 0, 3, 8]
+    loop = _run("loop", counts, torch.bfloat16)
+    for a, b in zip(_run("grouped_mm", counts, torch.bfloat16), loop):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_auto_path_choice():
+    x_RD = torch.randn(8, D)
+    w1 = torch.randn(E, H, D)
+    assert resolve_compute_path("auto", x_RD, w1, [2, 2, 2, 2]) == "bmm"
+    assert resolve_compute_path("auto", x_RD, w1, [0, 0, 0, 0]) == "grouped_mm"
+    assert resolve_compute_path("auto", x_RD, w1, [1, 3, 2, 2]) == "grouped_mm"
+    assert resolve_compute_path("auto", x_RD, w1, None) == "grouped_mm"
+    odd = torch.randn(8, 6)
+    assert resolve_compute_path("auto", odd, torch.randn(E, H, 6), [1, 3, 2, 2]) == "loop"
+    assert resolve_compute_path("auto", x_RD.double(), w1.double(), [1, 3, 2, 2]) == "loop"
+
+
+def test_float64_and_odd_dims_run_through_auto():
+    for dtype, dim in ((torch.float64, D), (torch.float32, 6)):
+        x_RD = torch.randn(6, dim, dtype=dtype)
+        w1, w3 = torch.randn(E, H, dim, dtype=dtype), torch.randn(E, H, dim, dtype=dtype)
+        w2 = torch.randn(E, dim, H, dtype=dtype)
+        assert grouped_swiglu(x_RD, w1, w2, w3, [1, 2, 0, 3]).shape == (6, dim)

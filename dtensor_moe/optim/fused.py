@@ -1,0 +1,302 @@
+"""DTensor handlers for the fused optimizer ops, across any number of device meshes.
+
+Note [Per-slot rule]
+~~~~~~~~~~~~~~~~~~~~
+A fused optimizer op takes parallel tensor lists: ``self`` (the params), ``grads``, state lists
+(``exp_avgs``, ``momentum_buffer_list``, ``state_sums``, ...), per-param scalar lists
+(``state_steps``) and, for ``.out`` overloads, ``out``. Slot *i* of every list belongs to param
+*i*, so each slot is handled on its own param's mesh:
+
+* a tensor in slot *i* must live on param *i*'s mesh; a different mesh is a user error
+  (``ValueError`` naming the slot, the argument and both meshes). Nothing ever moves across
+  meshes, and the check runs before any communication, so every rank fails the same way.
+* a tensor with the param's shape must carry the param's placements. If it carries other
+  placements on the same mesh, it is redistributed on that mesh only, the op runs, and mutated
+  arguments are written back in their original placements.
+* a 0-dim tensor in a per-param list (``state_steps``) must be ``Replicate`` on the param's
+  mesh, or a plain tensor (which is what ``torch.optim`` creates).
+* global scalars (a tensor ``lr``, ``grad_scale``, ``found_inf``) are plain tensors or
+  replicated DTensors; they are passed to the kernel as local tensors and never decide a mesh.
+
+When every slot already agrees, the handler only unwraps local tensors and calls the kernel
+once: no sharding propagation, no collective. Argument positions are read from the op schema
+by name (``state_steps`` is argument 5 for Adam but 3 for Adagrad; SGD has none).
+
+Note [Out-of-place results]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The out-of-place overloads (``_fused_adam.default`` and friends) return one list per leading
+input list (``self_out``, ``grads_out``, ...). Result *j* slot *i* is wrapped with the spec of
+input list *j* slot *i* after it was aligned with its param, so it has the param's mesh and
+placements. ``.out`` overloads write the new params into ``out``, whose slots follow ``self``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from dtensor_moe import _compat
+
+__all__ = ["FUSED_OPS", "FusedOpLayout", "fused_op_layout", "register_strategies"]
+
+logger = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+_FUSED_PACKETS = (
+    "_fused_adam_",
+    "_fused_adam",
+    "_fused_adamw_",
+    "_fused_adamw",
+    "_fused_sgd_",
+    "_fused_sgd",
+    "_fused_adagrad_",
+    "_fused_adagrad",
+)
+_OVERLOADS = ("default", "tensor_lr", "out", "tensor_lr_out")
+_GLOBAL_SCALARS = ("lr", "grad_scale", "found_inf")
+
+
+def _all_fused_ops() -> tuple[torch._ops.OpOverload, ...]:
+    ops = []
+    for name in _FUSED_PACKETS:
+        packet = getattr(aten, name)
+        ops.extend(getattr(packet, ov) for ov in _OVERLOADS if ov in packet.overloads())
+    return tuple(ops)
+
+
+FUSED_OPS: tuple[torch._ops.OpOverload, ...] = _all_fused_ops()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FusedOpLayout:
+    """Where the arguments of one fused-op overload sit, read from its schema by name.
+
+    ``list_args`` holds ``(name, position, kwarg_only)`` for every ``Tensor[]`` argument in
+    schema order; the first is always ``self`` (the params). ``scalar_args`` holds the same for
+    the global ``Tensor``/``Tensor?`` arguments. ``num_result_lists`` is how many lists the
+    overload returns (0 for in-place and ``.out`` overloads).
+    """
+
+    op: torch._ops.OpOverload
+    list_args: tuple[tuple[str, int, bool], ...]
+    scalar_args: tuple[tuple[str, int, bool], ...]
+    num_result_lists: int
+
+    def position(self, name: str) -> int:
+        """Schema position of argument ``name`` (a ``KeyError`` if the op has none)."""
+        for arg_name, pos, _ in self.list_args + self.scalar_args:
+            if arg_name == name:
+                return pos
+        raise KeyError(f"{self.op} has no tensor argument named {name!r}")
+
+
+@functools.cache
+def fused_op_layout(op: torch._ops.OpOverload) -> FusedOpLayout:
+    """Build (once per overload) the :class:`FusedOpLayout` of ``op`` from ``op._schema``."""
+    list_args, scalar_args = [], []
+    for pos, arg in enumerate(op._schema.arguments):
+        type_str = str(arg.type)
+        entry = (arg.name, pos, arg.kwarg_only)
+        if type_str == "List[Tensor]":
+            list_args.append(entry)
+        elif type_str in ("Tensor", "Optional[Tensor]"):
+            scalar_args.append(entry)
+    if not list_args or list_args[0][0] != "self":
+        raise AssertionError(f"{op}: expected the params list 'self' first, got {list_args}")
+    unknown = [name for name, _, _ in scalar_args if name not in _GLOBAL_SCALARS]
+    if unknown:
+        raise AssertionError(f"{op}: unexpected global tensor arguments {unknown}")
+    return FusedOpLayout(
+        op=op,
+        list_args=tuple(list_args),
+        scalar_args=tuple(scalar_args),
+        num_result_lists=len(op._schema.returns),
+    )
+
+
+def _get_arg(args: tuple, kwargs: dict, name: str, pos: int, kwarg_only: bool):
+    if not kwarg_only and pos < len(args):
+        return args[pos]
+    return kwargs.get(name)
+
+
+def _set_arg(args: list, kwargs: dict, name: str, pos: int, kwarg_only: bool, value) -> None:
+    if not kwarg_only and pos < len(args):
+        args[pos] = value
+    else:
+        kwargs[name] = value
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, DTensor):
+        spec = _compat.spec_of(t)
+        return f"DTensor on {spec.mesh} with placements {spec.placements}"
+    return "torch.Tensor (not a DTensor)"
+
+
+def _slot_error(op, arg: str, slot: int, param, value, why: str) -> ValueError:
+    return ValueError(
+        f"{op}: slot {slot} of '{arg}' does not follow param {slot}: {why}. "
+        f"param {slot} is a {_describe(param)}; '{arg}'[{slot}] is a {_describe(value)}. "
+        "Every tensor in slot i of a fused optimizer op must live on param i's device mesh "
+        "(tensors are never moved across meshes); create optimizer state with "
+        "torch.zeros_like(param) and keep each grad on its param's mesh."
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _WriteBack:
+    """A mutated argument that was redistributed to its param's placements before the op."""
+
+    original: DTensor
+    aligned: DTensor
+
+
+def _align_slot(op, arg: str, slot: int, param, value, write_backs: list):
+    """Return the local tensor of ``value`` laid out like ``param``; see Note [Per-slot rule]."""
+    p_is_dt = isinstance(param, DTensor)
+    if not isinstance(value, DTensor):
+        if p_is_dt and value.dim() != 0:
+            raise _slot_error(op, arg, slot, param, value, "mixes DTensor and torch.Tensor")
+        return value, None
+    if not p_is_dt:
+        raise _slot_error(op, arg, slot, param, value, "mixes torch.Tensor and DTensor")
+    p_spec, v_spec = _compat.spec_of(param), _compat.spec_of(value)
+    if v_spec.mesh is not p_spec.mesh and v_spec.mesh != p_spec.mesh:
+        raise _slot_error(op, arg, slot, param, value, "it is on a different device mesh")
+    if value.dim() == 0:
+        target = (Replicate(),) * p_spec.mesh.ndim
+    elif value.shape != param.shape:
+        raise _slot_error(
+            op, arg, slot, param, value,
+            f"its shape {tuple(value.shape)} differs from the param's {tuple(param.shape)}",
+        )
+    else:
+        target = p_spec.placements
+    if v_spec.placements == target:
+        return _compat.local_tensor(value), v_spec
+    aligned = value.redistribute(p_spec.mesh, target)
+    write_backs.append(_WriteBack(original=value, aligned=aligned))
+    return _compat.local_tensor(aligned), _compat.spec_of(aligned)
+
+
+def _local_list(op, arg: str, params: list, values: list, write_backs: list, specs_out):
+    """Localize one tensor list slot by slot; the fast path is a single pass of cheap checks."""
+    if len(values) == 0:
+        return []
+    if len(values) != len(params):
+        raise ValueError(
+            f"{op}: '{arg}' has {len(values)} tensors but 'self' has {len(params)} params; "
+            "each list must be empty or have one tensor per param."
+        )
+    fast = _compat.locals_if_aligned(params, values, specs_out)
+    if fast is not None:
+        return fast
+    local = []
+    for slot, (param, value) in enumerate(zip(params, values)):
+        t, spec = _align_slot(op, arg, slot, param, value, write_backs)
+        local.append(t)
+        if specs_out is not None:
+            specs_out.append(spec)
+    return local
+
+
+def _local_scalar(op, name: str, value):
+    if not isinstance(value, DTensor):
+        return value
+    if not all(p.is_replicate() for p in value.placements):
+        raise ValueError(
+            f"{op}: the global scalar '{name}' is a DTensor with placements "
+            f"{value.placements} on {value.device_mesh}; it must be a plain tensor or fully "
+            "Replicate. Pass a plain tensor (e.g. torch.tensor(lr))."
+        )
+    return _compat.local_tensor(value)
+
+
+def _write_back(write_backs: list) -> None:
+    """Copy results of redistributed mutated arguments back into the user's tensors."""
+    for wb in write_backs:
+        placements = _compat.spec_of(wb.original).placements
+        if any(p.is_partial() for p in placements):
+            # A Partial layout cannot be produced by redistribute: adopt the aligned layout,
+            # which holds the same global values.
+            _compat.replace_dtensor_storage(wb.original, wb.aligned)
+        else:
+            back = wb.aligned.redistribute(wb.aligned.device_mesh, placements)
+            _compat.local_tensor(wb.original).copy_(_compat.local_tensor(back))
+
+
+def _wrap_results(result, specs_per_list: list) -> list:
+    wrapped = []
+    for out_list, specs in zip(result, specs_per_list):
+        wrapped.append(
+            [
+                t if spec is None else _compat.dtensor_from_local_spec(t, spec)
+                for t, spec in zip(out_list, specs)
+            ]
+        )
+    return wrapped
+
+
+def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    """DTensor handler for every fused optimizer overload; see Note [Per-slot rule].
+
+    Communication: none when every slot already has its param's placements; otherwise the
+    redistributions that align those slots, each on its own param's mesh.
+    """
+    layout = fused_op_layout(op)
+    new_args, new_kwargs = list(args), dict(kwargs)
+    params = _get_arg(args, kwargs, *layout.list_args[0])
+    write_backs: list[_WriteBack] = []
+    specs_per_list = []
+    for name, pos, kwarg_only in layout.list_args:
+        values = _get_arg(args, kwargs, name, pos, kwarg_only)
+        if values is None:
+            continue
+        specs = [] if len(specs_per_list) < layout.num_result_lists else None
+        local = _local_list(op, name, params, values, write_backs, specs)
+        if specs is not None:
+            specs_per_list.append(specs if len(local) else [])
+        _set_arg(new_args, new_kwargs, name, pos, kwarg_only, local)
+    for name, pos, kwarg_only in layout.scalar_args:
+        value = _get_arg(args, kwargs, name, pos, kwarg_only)
+        if value is not None:
+            _set_arg(new_args, new_kwargs, name, pos, kwarg_only, _local_scalar(op, name, value))
+    result = op(*new_args, **new_kwargs)
+    _write_back(write_backs)
+    if layout.num_result_lists == 0:
+        return result
+    return _wrap_results(result, specs_per_list)
+
+
+_REGISTERED = False
+
+
+def register_strategies() -> None:
+    """Install the DTensor handlers for every fused optimizer overload (idempotent).
+
+    Called when ``dtensor_moe`` is imported. Replaces torch's own rules for the fused Adam and
+    AdamW overloads (logged at INFO) and adds the missing SGD, Adagrad and ``.out`` ones, plus
+    the GradScaler inf-check handler of :mod:`dtensor_moe.optim.scaler`. Clears DTensor's
+    sharding-propagation cache so the change takes effect at once.
+    """
+    global _REGISTERED
+    from dtensor_moe.optim.scaler import register_found_inf_handler
+
+    handlers = _compat.custom_op_handlers()
+    replaced = [op for op in FUSED_OPS if handlers.get(op) not in (None, fused_optimizer_handler)]
+    for op in FUSED_OPS:
+        handlers[op] = fused_optimizer_handler
+    register_found_inf_handler()
+    if not _REGISTERED:
+        logger.info(
+            "dtensor_moe: installed DTensor handlers for %d fused optimizer overloads "
+            "(replacing custom handlers of %s; torch's sharding rules for fused Adam/AdamW "
+            "are bypassed)", len(FUSED_OPS), [str(op) for op in replaced] or "none",
+        )
+    _REGISTERED = True
+    _compat.clear_sharding_prop_cache()

@@ -16,7 +16,7 @@ Layouts: ``--layout`` picks an entry of ``LAYOUTS``; a parallel layout adds a fu
 same signature (``args -> dict of timings``) that launches its own processes.
 """
 
-# ruff: noqa: N803, N806
+# ruff: noqa: N806
 
 from __future__ import annotations
 
@@ -100,7 +100,9 @@ LAYOUTS: dict[str, Callable[[argparse.Namespace], dict[str, object]]] = {"single
 
 
 def _parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="single")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--dim", type=int, default=256)

@@ -3,7 +3,7 @@
 Shape legend: T tokens, D dim, E experts, K top_k, R routed rows, H hidden.
 """
 
-# ruff: noqa: N803, N806
+# ruff: noqa: N803, N806, N812
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtensor_moe.moe import DispatchMetadata, MoE, MoEConfig, TokenDispatcher, grouped_swiglu, sort_by_expert
+from dtensor_moe.moe import (
+    DispatchMetadata,
+    MoE,
+    MoEConfig,
+    TokenDispatcher,
+    grouped_swiglu,
+    sort_by_expert,
+)
 from dtensor_moe.moe.experts import resolve_compute_path
 
 D, H, E = 16, 32, 4
@@ -21,7 +28,11 @@ D, H, E = 16, 32, 4
 
 def routing(T: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.long)
+    ids_TK = (
+        torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        if T
+        else torch.zeros(0, K, dtype=torch.long)
+    )
     scores_TK = torch.rand(T, K, generator=g)
     return scores_TK, ids_TK, torch.bincount(ids_TK.flatten(), minlength=E)
 
@@ -78,7 +89,9 @@ def test_padding_never_reaches_output_or_grads():
 def test_dispatch_backward_sums_token_copies():
     x_TD = torch.randn(6, D, requires_grad=True)
     scores_TK, ids_TK, counts_E = routing(6, 3)
-    routed_RD, _, meta = TokenDispatcher(num_experts=E, pad_multiple=5).dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    routed_RD, _, meta = TokenDispatcher(num_experts=E, pad_multiple=5).dispatch(
+        x_TD, scores_TK, ids_TK, counts_E
+    )
     grad_RD = torch.randn_like(routed_RD)
     routed_RD.backward(grad_RD)
     expected = grad_RD[meta.row_TK].sum(dim=1)
@@ -89,7 +102,9 @@ def test_dispatch_backward_sums_token_copies():
 def test_score_before_experts_scales_rows(pad_multiple):
     x_TD = torch.randn(7, D)
     scores_TK, ids_TK, counts_E = routing(7, 2)
-    dispatcher = TokenDispatcher(num_experts=E, pad_multiple=pad_multiple, score_before_experts=True)
+    dispatcher = TokenDispatcher(
+        num_experts=E, pad_multiple=pad_multiple, score_before_experts=True
+    )
     routed_RD, _, meta = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     assert meta.scores_TK is None
     torch.testing.assert_close(routed_RD[meta.row_TK], x_TD.unsqueeze(1) * scores_TK.unsqueeze(-1))
@@ -97,7 +112,9 @@ def test_score_before_experts_scales_rows(pad_multiple):
 
 def test_metadata_is_frozen_kw_only_slots():
     scores_TK, ids_TK, counts_E = routing(3, 2)
-    _, _, meta = TokenDispatcher(num_experts=E).dispatch(torch.randn(3, D), scores_TK, ids_TK, counts_E)
+    _, _, meta = TokenDispatcher(num_experts=E).dispatch(
+        torch.randn(3, D), scores_TK, ids_TK, counts_E
+    )
     assert isinstance(meta, DispatchMetadata)
     with pytest.raises(dataclasses.FrozenInstanceError):
         meta.scores_TK = None
@@ -107,7 +124,9 @@ def test_metadata_is_frozen_kw_only_slots():
 
 
 def test_forward_leaves_no_state_on_modules():
-    moe = MoE(MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=2, pad_multiple=4, num_shared_experts=1))
+    moe = MoE(
+        MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=2, pad_multiple=4, num_shared_experts=1)
+    )
     before = {name: dict(vars(m)) for name, m in moe.named_modules()}
     dispatcher_before = dict(vars(moe.experts.dispatcher))
     moe(torch.randn(2, 5, D)).sum().backward()

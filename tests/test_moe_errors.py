@@ -1,7 +1,5 @@
 """Every user mistake in the MoE layer raises a clear ValueError (or TypeError)."""
 
-# ruff: noqa: N803, N806
-
 from __future__ import annotations
 
 import pytest
@@ -30,9 +28,18 @@ BASE = dict(dim=16, hidden_dim=32, num_experts=4, top_k=2)
         (dict(shared_hidden_dim=0), r"shared_hidden_dim must be positive or None, got 0"),
         (dict(init_std=0.0), r"init_std must be positive"),
         (dict(num_expert_groups=2), r"needs both .*num_expert_groups=2, num_limited_groups=None"),
-        (dict(num_expert_groups=3, num_limited_groups=1), r"num_experts=4 is not divisible by num_expert_groups=3"),
-        (dict(num_expert_groups=2, num_limited_groups=3), r"num_limited_groups=3 must be in \[1, num_expert_groups=2\]"),
-        (dict(num_expert_groups=4, num_limited_groups=1), r"top_k=2 exceeds the 1 experts reachable"),
+        (
+            dict(num_expert_groups=3, num_limited_groups=1),
+            r"num_experts=4 is not divisible by num_expert_groups=3",
+        ),
+        (
+            dict(num_expert_groups=2, num_limited_groups=3),
+            r"num_limited_groups=3 must be in \[1, num_expert_groups=2\]",
+        ),
+        (
+            dict(num_expert_groups=4, num_limited_groups=1),
+            r"top_k=2 exceeds the 1 experts reachable",
+        ),
     ],
 )
 def test_bad_config(overrides, match):
@@ -58,11 +65,24 @@ def test_bad_input(x, match):
         MoE(MoEConfig(**BASE))(x)
 
 
+def test_router_errors():
+    router = MoE(MoEConfig(**BASE)).router
+    with pytest.raises(ValueError, match=r"x_TD of shape \(tokens, dim=16\), got \(3, 8\)"):
+        router(torch.randn(3, 8))
+    with pytest.raises(ValueError, match=r"got 5 tokens, not divisible into num_sequences=2"):
+        router(torch.randn(5, 16), num_sequences=2)
+
+
 def test_dispatcher_errors():
     with pytest.raises(ValueError, match=r"pad_multiple >= 1, got num_experts=4, pad_multiple=0"):
         TokenDispatcher(num_experts=4, pad_multiple=0)
     d = TokenDispatcher(num_experts=4)
-    x, s, ids, counts = torch.randn(3, 16), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long), torch.zeros(4)
+    x, s, ids, counts = (
+        torch.randn(3, 16),
+        torch.rand(3, 2),
+        torch.zeros(3, 2, dtype=torch.long),
+        torch.zeros(4),
+    )
     with pytest.raises(ValueError, match=r"same T, got \(3, 16\) and \(2, 2\)"):
         d.dispatch(x, s[:2], ids[:2], counts)
     with pytest.raises(ValueError, match=r"topk_scores_TK \(3, 1\) and topk_ids_TK \(3, 2\)"):
@@ -78,16 +98,22 @@ def test_grouped_swiglu_errors():
         grouped_swiglu(x, w1, w2, w3, [2, 2, 2])
     with pytest.raises(ValueError, match="counts_e sums to 5 but x_RD has 6 rows"):
         grouped_swiglu(x, w1, w2, w3, [2, 2, 1, 0])
-    with pytest.raises(ValueError, match=r"compute_path='bmm' needs the same token count .*\[3, 1, 1, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"compute_path='bmm' needs the same token count .*\[3, 1, 1, 1\]"
+    ):
         grouped_swiglu(x, w1, w2, w3, [3, 1, 1, 1], "bmm")
     with pytest.raises(ValueError, match=r"grouped_mm' needs dtype .* got dtype=torch.float64"):
-        grouped_swiglu(x.double(), w1.double(), w2.double(), w3.double(), [3, 1, 1, 1], "grouped_mm")
+        grouped_swiglu(
+            x.double(), w1.double(), w2.double(), w3.double(), [3, 1, 1, 1], "grouped_mm"
+        )
     with pytest.raises(ValueError, match=r"unknown compute path 'fast'"):
         grouped_swiglu(x, w1, w2, w3, [3, 1, 1, 1], "fast")
 
 
 def test_update_expert_bias_errors():
-    with pytest.raises(ValueError, match=r"no router with an expert bias in MoE; .*use_expert_bias=True"):
+    with pytest.raises(
+        ValueError, match=r"no router with an expert bias in MoE; .*use_expert_bias=True"
+    ):
         update_expert_bias(MoE(MoEConfig(**BASE)), 0.1)
     with pytest.raises(ValueError, match=r"no router with an expert bias in Linear"):
         update_expert_bias(nn.Linear(2, 2), 0.1)

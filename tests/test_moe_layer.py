@@ -3,7 +3,7 @@
 Shape legend: B sequences, L tokens per sequence, T = B * L, D dim, E experts, K top_k.
 """
 
-# ruff: noqa: N803, N806
+# ruff: noqa: N803, N806, N812
 
 from __future__ import annotations
 
@@ -81,7 +81,9 @@ def reference_moe(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
             h = cfg.shared_hidden_total // cfg.num_shared_experts
             for s in range(cfg.num_shared_experts):
                 rows = slice(s * h, (s + 1) * h)
-                y_D = y_D + _swiglu(x_D, sh.w1.weight[rows], sh.w2.weight[:, rows], sh.w3.weight[rows])
+                y_D = y_D + _swiglu(
+                    x_D, sh.w1.weight[rows], sh.w2.weight[:, rows], sh.w3.weight[rows]
+                )
         outs.append(y_D)
         all_scores.append(scores)
         all_ids.append(ids)
@@ -123,14 +125,14 @@ def assert_matches_reference(moe: MoE, x: torch.Tensor, seed: int = 1) -> None:
         close(p.grad, expected, msg=name)
 
 
-GRID = list(
-    itertools.product([1, 3], [1, 7, 64], [1, 2, E], ["softmax", "sigmoid"], [0, 2])
-)
+GRID = list(itertools.product([1, 3], [1, 7, 64], [1, 2, E], ["softmax", "sigmoid"], [0, 2]))
 
 
 @pytest.mark.parametrize("B,L,top_k,score_func,num_shared", GRID)
 def test_matches_reference(B, L, top_k, score_func, num_shared):
-    moe = make_moe(top_k=top_k, score_func=score_func, num_shared_experts=num_shared, shared_hidden_dim=8)
+    moe = make_moe(
+        top_k=top_k, score_func=score_func, num_shared_experts=num_shared, shared_hidden_dim=8
+    )
     assert_matches_reference(moe, torch.randn(B, L, D))
 
 
@@ -207,7 +209,9 @@ def test_bf16_close_to_fp32():
     y_bf16.float().sum().backward()
     y.sum().backward()
     for p, p16 in zip(moe.parameters(), moe_bf16.parameters()):
-        torch.testing.assert_close(p16.grad.float(), p.grad, rtol=0, atol=3e-2 * float(p.grad.abs().max()))
+        torch.testing.assert_close(
+            p16.grad.float(), p.grad, rtol=0, atol=3e-2 * float(p.grad.abs().max())
+        )
 
 
 def test_sum_backward_through_grouped_mm_path():

@@ -3,7 +3,7 @@
 Shape legend: T tokens, D dim, E experts, K top_k, B sequences, L tokens per sequence.
 """
 
-# ruff: noqa: N803, N806
+# ruff: noqa: N806
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtensor_moe.moe import MoE, MoEConfig, TokenChoiceTopKRouter, sequence_aux_loss, update_expert_bias
+from dtensor_moe.moe import (
+    MoE,
+    MoEConfig,
+    TokenChoiceTopKRouter,
+    sequence_aux_loss,
+    update_expert_bias,
+)
 
 D, E = 16, 8
 
@@ -46,7 +52,9 @@ def test_scores_and_selection(score_func, route_norm):
 
 @pytest.mark.parametrize("groups,limited", [(4, 1), (4, 2), (2, 1), (8, 3)])
 def test_group_limited_routing(groups, limited):
-    router = make_router(num_expert_groups=groups, num_limited_groups=limited, top_k=min(2, limited * E // groups))
+    router = make_router(
+        num_expert_groups=groups, num_limited_groups=limited, top_k=min(2, limited * E // groups)
+    )
     ids_TK = router(torch.randn(64, D)).topk_ids_TK
     groups_used = [len(set((ids // (E // groups)).tolist())) for ids in ids_TK]
     assert max(groups_used) <= limited
@@ -150,7 +158,8 @@ def test_bias_update_balances_load():
 
 def test_bias_update_all_layers_and_idle_router():
     layers = nn.ModuleList(
-        MoE(MoEConfig(dim=D, hidden_dim=32, num_experts=E, top_k=2, use_expert_bias=True)) for _ in range(2)
+        MoE(MoEConfig(dim=D, hidden_dim=32, num_experts=E, top_k=2, use_expert_bias=True))
+        for _ in range(2)
     )
     layers[0](torch.randn(1, 5, D))
     update_expert_bias(layers, 0.1)

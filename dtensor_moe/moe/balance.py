@@ -13,7 +13,7 @@ activation-checkpoint recompute and several micro-batches in flight, because eac
 carries its own loss. The value is kept, detached, in ``router.last_aux_loss`` for logging.
 """
 
-# ruff: noqa: N803, N806
+# ruff: noqa: N806
 
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ def attach_aux_loss(y: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
 
 def _biased_routers(module: nn.Module) -> list[TokenChoiceTopKRouter]:
     routers = [
-        m for m in module.modules() if isinstance(m, TokenChoiceTopKRouter) and m.expert_bias is not None
+        m
+        for m in module.modules()
+        if isinstance(m, TokenChoiceTopKRouter) and m.expert_bias is not None
     ]
     if not routers:
         raise ValueError(

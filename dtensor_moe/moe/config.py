@@ -109,8 +109,7 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.route_scale must be positive, got {self.route_scale}")
         if self.aux_loss_coeff < 0:
             raise ValueError(
-                f"MoEConfig.aux_loss_coeff must be >= 0 (0 disables it), got "
-                f"{self.aux_loss_coeff}"
+                f"MoEConfig.aux_loss_coeff must be >= 0 (0 disables it), got {self.aux_loss_coeff}"
             )
 
     def _check_groups(self) -> None:
@@ -130,8 +129,7 @@ class MoEConfig:
             )
         if not 1 <= limited <= groups:
             raise ValueError(
-                f"MoEConfig.num_limited_groups={limited} must be in [1, "
-                f"num_expert_groups={groups}]"
+                f"MoEConfig.num_limited_groups={limited} must be in [1, num_expert_groups={groups}]"
             )
         reachable = limited * (self.num_experts // groups)
         if self.top_k > reachable:

@@ -26,7 +26,7 @@ gather copies each gradient row to its unique routed row (``index_copy``). Resul
 bits run to run, on CPU and on accelerators.
 """
 
-# ruff: noqa: N803, N806
+# ruff: noqa: N803, N806, N815
 
 from __future__ import annotations
 
@@ -248,7 +248,11 @@ class TokenDispatcher:
         if self.score_before_experts:
             routed_RD = routed_RD * scores_in_rows(topk_scores_TK, layout).unsqueeze(-1)
             scores_TK = None
-        return routed_RD, layout.counts_e, DispatchMetadata(row_TK=layout.row_TK, scores_TK=scores_TK)
+        return (
+            routed_RD,
+            layout.counts_e,
+            DispatchMetadata(row_TK=layout.row_TK, scores_TK=scores_TK),
+        )
 
     def combine(self, out_RD: torch.Tensor, metadata: DispatchMetadata) -> torch.Tensor:
         """Weight and sum each token's expert outputs back into ``y_TD`` (token order)."""

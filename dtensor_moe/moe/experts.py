@@ -2,8 +2,10 @@
 
 Shape legend:
     R  rows of the routed buffer, grouped by local expert (padding included)
+    c  rows of one expert (``bmm``: the common count)
     D  model width
     H  hidden width of one expert
+    I, O  input and output width of one grouped matmul
     e  experts whose weights this rank holds (all ``E`` without expert parallelism)
     T  tokens
 
@@ -19,7 +21,7 @@ parallel style wraps (for example with ``torch.distributed.tensor.experimental.l
 turn ``Shard(0)`` DTensor weights into the local ``e`` experts.
 """
 
-# ruff: noqa: N803, N806
+# ruff: noqa: N803, N806, N812
 
 from __future__ import annotations
 
@@ -99,13 +101,25 @@ def resolve_compute_path(
     return path
 
 
-def _swiglu_grouped_mm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e: torch.Tensor) -> torch.Tensor:
+def _swiglu_grouped_mm(
+    x_RD: torch.Tensor,
+    w1_eHD: torch.Tensor,
+    w2_eDH: torch.Tensor,
+    w3_eHD: torch.Tensor,
+    counts_e: torch.Tensor,
+) -> torch.Tensor:
     offs_e = torch.cumsum(counts_e.to(x_RD.device), 0, dtype=torch.int32)
     h_RH = F.silu(_grouped_mm(x_RD, w1_eHD, offs_e)) * _grouped_mm(x_RD, w3_eHD, offs_e)
     return _grouped_mm(h_RH, w2_eDH, offs_e)
 
 
-def _swiglu_loop(x_RD, w1_eHD, w2_eDH, w3_eHD, counts: Sequence[int]) -> torch.Tensor:
+def _swiglu_loop(
+    x_RD: torch.Tensor,
+    w1_eHD: torch.Tensor,
+    w2_eDH: torch.Tensor,
+    w3_eHD: torch.Tensor,
+    counts: Sequence[int],
+) -> torch.Tensor:
     outs = []
     for i, x_cD in enumerate(torch.split(x_RD, list(counts))):
         h_cH = F.silu(x_cD @ w1_eHD[i].T) * (x_cD @ w3_eHD[i].T)
@@ -113,10 +127,17 @@ def _swiglu_loop(x_RD, w1_eHD, w2_eDH, w3_eHD, counts: Sequence[int]) -> torch.T
     return torch.cat(outs)
 
 
-def _swiglu_bmm(x_RD, w1_eHD, w2_eDH, w3_eHD, count: int) -> torch.Tensor:
+def _swiglu_bmm(
+    x_RD: torch.Tensor,
+    w1_eHD: torch.Tensor,
+    w2_eDH: torch.Tensor,
+    w3_eHD: torch.Tensor,
+    count: int,
+) -> torch.Tensor:
     x_ecD = x_RD.view(w1_eHD.shape[0], count, x_RD.shape[-1])
-    h_ecH = F.silu(torch.bmm(x_ecD, w1_eHD.transpose(1, 2))) * torch.bmm(x_ecD, w3_eHD.transpose(1, 2))
-    return torch.bmm(h_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
+    gate_ecH = torch.bmm(x_ecD, w1_eHD.transpose(1, 2))
+    up_ecH = torch.bmm(x_ecD, w3_eHD.transpose(1, 2))
+    return torch.bmm(F.silu(gate_ecH) * up_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
 
 
 def grouped_swiglu(
@@ -191,7 +212,9 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.compute_path = compute_path
         self.init_std = init_std
-        self.dispatcher = dispatcher if dispatcher is not None else TokenDispatcher(num_experts=num_experts)
+        self.dispatcher = (
+            dispatcher if dispatcher is not None else TokenDispatcher(num_experts=num_experts)
+        )
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -208,7 +231,9 @@ class GroupedExperts(nn.Module):
         topk_ids_TK: torch.Tensor,
         counts_E: torch.Tensor,
     ) -> torch.Tensor:
-        routed_RD, counts_e, metadata = self.dispatcher.dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        routed_RD, counts_e, metadata = self.dispatcher.dispatch(
+            x_TD, topk_scores_TK, topk_ids_TK, counts_E
+        )
         out_RD = self.compute(routed_RD, counts_e)
         return self.dispatcher.combine(out_RD, metadata)
 
@@ -218,7 +243,10 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         E, H, D = self.w1.shape
-        return f"num_experts={E}, dim={D}, hidden_dim={H}, compute_path={self.compute_path!r}, dispatcher={self.dispatcher!r}"
+        return (
+            f"num_experts={E}, dim={D}, hidden_dim={H}, compute_path={self.compute_path!r}, "
+            f"dispatcher={self.dispatcher!r}"
+        )
 
 
 class SharedExperts(nn.Module):

@@ -12,7 +12,7 @@ Data flow (one rank)::
       -> (+ shared_experts(x_TD)) -> attach aux loss -> y (B, L, D)
 """
 
-# ruff: noqa: N803, N806
+# ruff: noqa: N806
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class MoE(nn.Module):
         self._check_input(x)
         B, L, D = x.shape
         x_TD = x.reshape(B * L, D)
-        routing = self.router(x_TD, num_sequences=B)
+        routing = self.router(x_TD, num_sequences=max(B, 1))
         y_TD = self.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)

@@ -9,7 +9,7 @@ Shape legend:
     G  expert groups, S experts per group (``G * S == E``)
 """
 
-# ruff: noqa: N803, N806
+# ruff: noqa: N803, N806, N812, N815
 
 from __future__ import annotations
 
@@ -54,7 +54,9 @@ def _in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _limit_to_top_groups(select_TE: torch.Tensor, num_groups: int, num_limited: int) -> torch.Tensor:
+def _limit_to_top_groups(
+    select_TE: torch.Tensor, num_groups: int, num_limited: int
+) -> torch.Tensor:
     """Mask (``-inf``) the experts outside each token's ``num_limited`` best groups.
 
     A group's score is the sum of its two best expert scores (one when a group has one expert).
@@ -90,7 +92,9 @@ def sequence_aux_loss(
     L = T // num_sequences
     P_BE = scores_TE.view(num_sequences, L, E).mean(dim=1)
     ids_BX = topk_ids_TK.reshape(num_sequences, L * K)
-    hits_BE = torch.zeros_like(P_BE).scatter_add_(1, ids_BX, torch.ones_like(ids_BX, dtype=P_BE.dtype))
+    hits_BE = torch.zeros_like(P_BE).scatter_add_(
+        1, ids_BX, torch.ones_like(ids_BX, dtype=P_BE.dtype)
+    )
     f_BE = hits_BE * (E / (K * L))
     return coeff * (f_BE * P_BE).sum(dim=-1).mean()
 
@@ -127,7 +131,9 @@ class TokenChoiceTopKRouter(nn.Module):
         nn.init.normal_(self.gate.weight, std=self.config.init_std)
 
     def forward(self, x_TD: torch.Tensor, *, num_sequences: int = 1) -> RouterOutput:
+        """Route ``x_TD``, whose ``T`` tokens are ``num_sequences`` sequences laid end to end."""
         cfg = self.config
+        self._check_input(x_TD, num_sequences)
         scores_TE = self._scores(x_TD)
         topk_ids_TK = self._select(scores_TE)
         topk_scores_TK = scores_TE.gather(-1, topk_ids_TK)
@@ -148,6 +154,18 @@ class TokenChoiceTopKRouter(nn.Module):
             aux_loss=aux_loss,
         )
 
+    def _check_input(self, x_TD: torch.Tensor, num_sequences: int) -> None:
+        if x_TD.dim() != 2 or x_TD.shape[-1] != self.config.dim:
+            raise ValueError(
+                f"the router expects x_TD of shape (tokens, dim={self.config.dim}), got "
+                f"{tuple(x_TD.shape)}"
+            )
+        if num_sequences < 1 or x_TD.shape[0] % num_sequences != 0:
+            raise ValueError(
+                f"the router got {x_TD.shape[0]} tokens, not divisible into "
+                f"num_sequences={num_sequences} sequences of equal length"
+            )
+
     def _scores(self, x_TD: torch.Tensor) -> torch.Tensor:
         logits_TE = self.gate(x_TD).float()
         if self.config.score_func == "softmax":
@@ -161,7 +179,9 @@ class TokenChoiceTopKRouter(nn.Module):
         if self.expert_bias is not None:
             select_TE = select_TE + self.expert_bias
         if cfg.num_expert_groups is not None and cfg.num_limited_groups < cfg.num_expert_groups:
-            select_TE = _limit_to_top_groups(select_TE, cfg.num_expert_groups, cfg.num_limited_groups)
+            select_TE = _limit_to_top_groups(
+                select_TE, cfg.num_expert_groups, cfg.num_limited_groups
+            )
         return select_TE.topk(cfg.top_k, dim=-1).indices
 
     def _aux_loss(

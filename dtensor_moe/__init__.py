@@ -1,0 +1,15 @@
+"""dtensor_moe: DTensor extensions for Mixture-of-Experts training.
+
+Importing the package registers DTensor handlers for every fused optimizer op (Adam, AdamW,
+SGD, Adagrad; in-place, out-of-place, ``tensor_lr`` and ``.out`` overloads) and makes
+``torch.amp.GradScaler`` agree on skip-or-step across meshes. See ``docs/optimizers.md``.
+"""
+
+from dtensor_moe.optim import clip_grad_norm_, register_strategies
+
+__all__ = [
+    "clip_grad_norm_",
+    "register_strategies",
+]
+
+register_strategies()

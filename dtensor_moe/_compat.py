@@ -6,6 +6,7 @@ pieces below, this is the file to update. Each helper names the torch 2.13 inter
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,10 @@ __all__ = [
     "custom_op_handlers",
     "device_has_foreach_support",
     "dtensor_from_local_spec",
+    "dtensor_specs",
     "local_tensor",
+    "original_torch_function",
+    "patch_torch_function",
     "locals_if_aligned",
     "replace_dtensor_storage",
     "spec_of",
@@ -74,46 +78,89 @@ def replace_dtensor_storage(dst: DTensor, src: DTensor) -> None:
     dst._spec = src._spec
 
 
+_get_spec = operator.attrgetter("_spec")
+_get_local = operator.attrgetter("_local_tensor")
+
+# Note [Aligned-slot cache]
+# A fused optimizer step sees the same param/state DTensors step after step. Whether list
+# ``values`` is slot-by-slot aligned with ``params`` depends only on their DTensorSpecs, which
+# are immutable; a DTensor whose layout changes gets a new spec object. So we key a small cache
+# on the identities of both spec tuples and keep the specs alive in the cache entry (so an id
+# cannot be reused while its entry exists). A hit costs a few C-level passes over the lists.
+_ALIGNED: dict[tuple, tuple] = {}
+_ALIGNED_MAX = 256
+
+
+def dtensor_specs(values: list) -> tuple[DTensorSpec, ...] | None:
+    """The specs of ``values`` if every entry is a DTensor, else ``None``."""
+    try:
+        return tuple(map(_get_spec, values))
+    except AttributeError:
+        return None
+
+
+def _specs_aligned(p_specs: tuple, v_specs: tuple) -> bool:
+    for p, v in zip(p_specs, v_specs):
+        if v is p:
+            continue
+        if (v.mesh is not p.mesh and v.mesh != p.mesh) or v.placements != p.placements:
+            return False
+    return True
+
+
 def locals_if_aligned(
-    params: list, values: list, specs_out: list | None
+    p_specs: tuple[DTensorSpec, ...] | None, values: list, specs_out: list | None
 ) -> list[torch.Tensor] | None:
     """Local tensors of ``values`` if no slot needs redistribution or a careful check.
 
-    A slot passes when it is a DTensor on its param's mesh with its param's placements, a plain
-    0-dim tensor, or a plain tensor next to a plain param.
-
-    This is the hot path of a fused optimizer step: one pass over private attributes with
-    identity checks first. Returns ``None`` (and leaves ``specs_out`` untouched) as soon as any
-    slot needs the careful per-slot treatment.
+    A list passes when every entry is a DTensor with its param's mesh and placements (``p_specs``
+    are the params' specs, ``None`` when some param is a plain tensor), or when every entry is a
+    plain 0-dim tensor (torch.optim's ``state_steps``). Returns ``None`` (leaving ``specs_out``
+    untouched) when any slot needs the careful per-slot treatment. See Note [Aligned-slot cache].
     """
-    local = []
-    specs = []
-    for param, value in zip(params, values):
-        if type(value) is DTensor:
-            if type(param) is not DTensor:
-                return None
-            v_spec, p_spec = value._spec, param._spec
-            if v_spec.mesh is not p_spec.mesh or v_spec.placements != p_spec.placements:
-                return None
-            local.append(value._local_tensor)
-            specs.append(v_spec)
-        elif value.dim() == 0 or type(param) is not DTensor:
-            # plain per-param scalars (torch.optim's ``state_steps``) and plain params
-            local.append(value)
-            specs.append(None)
-        else:
+    v_specs = dtensor_specs(values)
+    if v_specs is None:
+        if DTensor in set(map(type, values)) or any(map(torch.Tensor.dim, values)):
             return None
+        if specs_out is not None:
+            specs_out.extend([None] * len(values))
+        return list(values)
+    if p_specs is None:
+        return None
+    key = (tuple(map(id, p_specs)), tuple(map(id, v_specs)))
+    if key not in _ALIGNED:
+        if not _specs_aligned(p_specs, v_specs):
+            return None
+        if len(_ALIGNED) >= _ALIGNED_MAX:
+            _ALIGNED.clear()
+        _ALIGNED[key] = (p_specs, v_specs)
     if specs_out is not None:
-        specs_out.extend(specs)
-    return local
+        specs_out.extend(v_specs)
+    return list(map(_get_local, values))
 
 
 def device_has_foreach_support(device: torch.device) -> bool:
-    """Whether torch runs ``torch._foreach_*`` kernels on ``device`` (cpu, cuda, xpu, ...).
-
-    ``torch.utils._foreach_utils._device_has_foreach_support`` (torch 2.13), the same test
-    ``torch.nn.utils.clip_grad_norm_`` uses to pick its foreach path.
-    """
+    """``torch.utils._foreach_utils._device_has_foreach_support``: can foreach kernels run here?"""
     from torch.utils._foreach_utils import _device_has_foreach_support
 
     return _device_has_foreach_support(device)
+
+
+_ORIGINAL_TORCH_FUNCTIONS: dict[str, Callable] = {}
+
+
+def original_torch_function(name: str) -> Callable:
+    """The ``torch.<name>`` that torch shipped, even after :func:`patch_torch_function`."""
+    return _ORIGINAL_TORCH_FUNCTIONS.get(name, getattr(torch, name))
+
+
+def patch_torch_function(name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``torch.<name>`` by ``make_wrapper(original)``, at most once (idempotent).
+
+    Used for the four in-place fused optimizer entry points that ``torch.optim`` looks up as
+    ``torch._fused_adam_`` and friends at every step, so that DTensor args reach our handler
+    without the generic ``__torch_dispatch__`` round trip; see Note [Fused fast entry].
+    """
+    if name not in _ORIGINAL_TORCH_FUNCTIONS:
+        _ORIGINAL_TORCH_FUNCTIONS[name] = getattr(torch, name)
+    setattr(torch, name, make_wrapper(_ORIGINAL_TORCH_FUNCTIONS[name]))

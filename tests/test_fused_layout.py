@@ -78,3 +78,19 @@ def test_registration_is_idempotent():
     from dtensor_moe.optim.scaler import found_inf_handler
 
     assert handlers[scaler_op] is found_inf_handler
+
+
+def test_fast_entries_wrap_torch_functions_once():
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
+        entry = getattr(torch, name)
+        assert entry.__wrapped__ is _compat.original_torch_function(name)
+        dtensor_moe.register_strategies()
+        # re-registering wraps the original again, never the wrapper
+        assert getattr(torch, name).__wrapped__ is _compat.original_torch_function(name)
+
+
+def test_fast_entry_passes_plain_tensors_to_torch():
+    p, g = [torch.ones(3)], [torch.full((3,), 0.5)]
+    torch._fused_sgd_(p, g, [], weight_decay=0.0, momentum=0.0, lr=0.1, dampening=0.0,
+                      nesterov=False, maximize=False, is_first_step=True)
+    assert torch.allclose(p[0], torch.full((3,), 0.95))

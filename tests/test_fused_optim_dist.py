@@ -273,6 +273,30 @@ class OutOfPlaceAndOutOverloadsTest(DistTestBase):
                 checked.append(f"{packet}.{overload}")
         self.assertEqual(len(checked), 16)
 
+    @with_comms
+    def test_in_place_overloads_through_dtensor_dispatch(self):
+        """torch.ops.aten._fused_*_ goes through DTensor dispatch, not the torch._fused_*_ entry."""
+        meshes = build_meshes(self.device_type)
+        for packet in ("adam", "adamw", "sgd", "adagrad"):
+            for overload in ("default", "tensor_lr"):
+                full, steps = self._lists(meshes, packet)
+                dt = {"self": distribute(full["self"], meshes),
+                      "grads": distribute(full["grads"], meshes),
+                      "state": [distribute(s, meshes) for s in full["state"]]}
+                kwargs = self._kwargs(packet, overload == "tensor_lr")
+                op = getattr(getattr(torch.ops.aten, f"_fused_{packet}_"), overload)
+                for lists in (dt, full):
+                    args = [lists["self"], lists["grads"], *lists["state"]]
+                    with CommDebugMode() as mode:
+                        op(*(args + ([steps] if packet != "sgd" else [])), **kwargs)
+                    self.assertEqual(mode.get_total_counts(), 0)
+                for name in ("self", "grads"):
+                    for got, want in zip(dt[name], full[name]):
+                        self.assertLessEqual((got.full_tensor() - want).abs().max().item(), TOL)
+                for got_list, want_list in zip(dt["state"], full["state"]):
+                    for got, want in zip(got_list, want_list):
+                        self.assertLessEqual((got.full_tensor() - want).abs().max().item(), TOL)
+
 
 if __name__ == "__main__":
     run_tests()

@@ -184,7 +184,7 @@ def _align_slot(op, arg: str, slot: int, param, value, write_backs: list):
     return _compat.local_tensor(aligned), _compat.spec_of(aligned)
 
 
-def _local_list(op, arg: str, params: list, values: list, write_backs: list, specs_out):
+def _local_list(op, arg: str, params: list, p_specs, values: list, write_backs: list, specs_out):
     """Localize one tensor list slot by slot; the fast path is a single pass of cheap checks."""
     if len(values) == 0:
         return []
@@ -193,7 +193,7 @@ def _local_list(op, arg: str, params: list, values: list, write_backs: list, spe
             f"{op}: '{arg}' has {len(values)} tensors but 'self' has {len(params)} params; "
             "each list must be empty or have one tensor per param."
         )
-    fast = _compat.locals_if_aligned(params, values, specs_out)
+    fast = _compat.locals_if_aligned(p_specs, values, specs_out)
     if fast is not None:
         return fast
     local = []
@@ -251,6 +251,7 @@ def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict
     layout = fused_op_layout(op)
     new_args, new_kwargs = list(args), dict(kwargs)
     params = _get_arg(args, kwargs, *layout.list_args[0])
+    p_specs = _compat.dtensor_specs(params)
     write_backs: list[_WriteBack] = []
     specs_per_list = []
     for name, pos, kwarg_only in layout.list_args:
@@ -258,7 +259,7 @@ def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict
         if values is None:
             continue
         specs = [] if len(specs_per_list) < layout.num_result_lists else None
-        local = _local_list(op, name, params, values, write_backs, specs)
+        local = _local_list(op, name, params, p_specs, values, write_backs, specs)
         if specs is not None:
             specs_per_list.append(specs if len(local) else [])
         _set_arg(new_args, new_kwargs, name, pos, kwarg_only, local)
@@ -273,6 +274,42 @@ def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict
     return _wrap_results(result, specs_per_list)
 
 
+# Note [Fused fast entry]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# ``torch.optim`` calls ``torch._fused_adam_`` (and the AdamW, SGD and Adagrad twins) once per
+# step. With DTensor args that call goes through DTensor's generic ``__torch_dispatch__``, which
+# boxes every tensor of every list before it reaches our handler: about as much time as the
+# kernel itself for 200 small params. We wrap those four torch functions: when no autograd
+# graph is being recorded, nothing is being compiled and a param is a DTensor, the wrapper calls
+# :func:`fused_optimizer_handler` directly with the overload the binding would have picked.
+# Everything else (plain tensors, grad mode, tracing) goes to torch's original function, whose
+# DTensor dispatch reaches the same handler, so results are identical either way.
+_FAST_ENTRY_NAMES = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
+
+
+def _make_fast_entry(name: str):
+    packet = getattr(aten, name)
+
+    def make(original):
+        def fused_entry(*args, **kwargs):
+            if (
+                not args
+                or torch.is_grad_enabled()
+                or DTensor not in set(map(type, args[0]))
+                or torch.compiler.is_compiling()
+            ):
+                return original(*args, **kwargs)
+            op = packet.tensor_lr if isinstance(kwargs.get("lr"), torch.Tensor) else packet.default
+            return fused_optimizer_handler(op, args, kwargs)
+
+        fused_entry.__name__ = fused_entry.__qualname__ = name
+        fused_entry.__doc__ = f"dtensor_moe fast entry for torch.{name}; see docs/optimizers.md."
+        fused_entry.__wrapped__ = original
+        return fused_entry
+
+    return make
+
+
 _REGISTERED = False
 
 
@@ -281,7 +318,8 @@ def register_strategies() -> None:
 
     Called when ``dtensor_moe`` is imported. Replaces torch's own rules for the fused Adam and
     AdamW overloads (logged at INFO) and adds the missing SGD, Adagrad and ``.out`` ones, plus
-    the GradScaler inf-check handler of :mod:`dtensor_moe.optim.scaler`. Clears DTensor's
+    the GradScaler inf-check handler of :mod:`dtensor_moe.optim.scaler`, and wraps the four
+    in-place ``torch._fused_*_`` entry points (see Note [Fused fast entry]). Clears DTensor's
     sharding-propagation cache so the change takes effect at once.
     """
     global _REGISTERED
@@ -292,6 +330,8 @@ def register_strategies() -> None:
     for op in FUSED_OPS:
         handlers[op] = fused_optimizer_handler
     register_found_inf_handler()
+    for name in _FAST_ENTRY_NAMES:
+        _compat.patch_torch_function(name, _make_fast_entry(name))
     if not _REGISTERED:
         logger.info(
             "dtensor_moe: installed DTensor handlers for %d fused optimizer overloads "

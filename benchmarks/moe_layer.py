@@ -130,6 +130,7 @@ def main() -> None:
     print(f"expert path: {result['path']}  rows per expert: {result['counts']}")
     print(f"step  (layer fwd+bwd, median): {result['step_ms']:8.2f} ms")
     print(f"floor (experts fwd+bwd, median): {result['floor_ms']:6.2f} ms")
+    print(f"overhead (step - floor): {result['step_ms'] - result['floor_ms']:6.2f} ms")
     print(f"step / floor (median of per-repeat ratios): {result['ratio']:.3f}")
 
 

@@ -20,8 +20,8 @@ one forward needs goes into its metadata (a frozen dataclass that may subclass
 :class:`DispatchMetadata`), never onto ``self``.
 
 Note [Deterministic combine]: no step accumulates with atomics or ``index_add``. Forward
-gathers rows by index. The backward of the token gather sums the ``K`` row gradients of each
-token in a fixed order (a gather followed by ``sum`` over ``K``); the backward of the combine
+gathers rows by index. The backward of the token gather adds the ``K`` row gradients of each
+token in ``k`` order (one gather per ``k``); the backward of the combine
 gather copies each gradient row to its unique routed row (``index_copy``). Results are the same
 bits run to run, on CPU and on accelerators.
 """
@@ -147,16 +147,16 @@ class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (row_TK,) = ctx.saved_tensors
-        T, K = row_TK.shape
-        grad_TKD = grad_RD.index_select(0, row_TK.reshape(-1)).view(T, K, grad_RD.shape[-1])
-        grad_TD = grad_TKD[:, 0] if K == 1 else grad_TKD.sum(dim=1)
+        grad_TD = grad_RD.index_select(0, row_TK[:, 0])
+        for k in range(1, row_TK.shape[1]):
+            grad_TD.add_(grad_RD.index_select(0, row_TK[:, k]))
         return grad_TD, None, None, None, None
 
 
 def permute_tokens(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """Copy tokens into the routed buffer ``(R, D)``; padding rows are zero.
 
-    The backward gathers the ``K`` row gradients of each token and sums them in a fixed order
+    The backward gathers the ``K`` row gradients of each token and adds them in ``k`` order
     (see Note [Deterministic combine]); padding rows give no gradient.
     """
     return _PermuteTokens.apply(x_TD, layout.token_N, layout.row_N, layout.num_rows, layout.row_TK)

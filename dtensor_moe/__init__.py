@@ -5,9 +5,12 @@ SGD, Adagrad; in-place, out-of-place, ``tensor_lr`` and ``.out`` overloads) and 
 ``torch.amp.GradScaler`` agree on skip-or-step across meshes. See ``docs/optimizers.md``.
 """
 
+from dtensor_moe.moe import MoE, MoEConfig
 from dtensor_moe.optim import clip_grad_norm_, register_strategies
 
 __all__ = [
+    "MoE",
+    "MoEConfig",
     "clip_grad_norm_",
     "register_strategies",
 ]

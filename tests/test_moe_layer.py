@@ -271,8 +271,9 @@ def test_two_forwards_before_backward():
 def test_public_api_and_children():
     import dtensor_moe
 
-    assert dtensor_moe.moe.MoE is MoE
-    moe = MoE(MoEConfig(dim=256, hidden_dim=512, num_experts=8, top_k=2))
+    assert dtensor_moe.MoE is MoE and dtensor_moe.MoEConfig is MoEConfig
+    assert {"MoE", "MoEConfig"} <= set(dtensor_moe.__all__)
+    moe = dtensor_moe.MoE(dtensor_moe.MoEConfig(dim=256, hidden_dim=512, num_experts=8, top_k=2))
     assert moe.shared_experts is None
     assert moe.experts.w1.shape == (8, 512, 256)
     assert moe.experts.w2.shape == (8, 256, 512)

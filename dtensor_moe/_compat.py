@@ -21,6 +21,7 @@ __all__ = [
     "device_has_foreach_support",
     "dtensor_from_local_spec",
     "dtensor_specs",
+    "in_backward_pass",
     "local_tensor",
     "original_torch_function",
     "patch_torch_function",
@@ -164,3 +165,11 @@ def patch_torch_function(name: str, make_wrapper: Callable[[Callable], Callable]
     if name not in _ORIGINAL_TORCH_FUNCTIONS:
         _ORIGINAL_TORCH_FUNCTIONS[name] = getattr(torch, name)
     setattr(torch, name, make_wrapper(_ORIGINAL_TORCH_FUNCTIONS[name]))
+
+
+def in_backward_pass() -> bool:
+    """Whether autograd is running a backward pass right now (``torch._C._current_graph_task_id``).
+
+    It is ``-1`` outside a backward pass; torch's checkpoint code relies on the same call.
+    """
+    return torch._C._current_graph_task_id() != -1

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_moe import _compat
 from dtensor_moe.moe.config import MoEConfig
 
 __all__ = ["RouterOutput", "TokenChoiceTopKRouter", "sequence_aux_loss"]
@@ -51,7 +52,7 @@ def _in_backward_pass() -> bool:
     router must not count those tokens a second time. ``torch._C._current_graph_task_id`` is
     ``-1`` outside a backward pass; torch's own checkpoint code relies on the same call.
     """
-    return torch._C._current_graph_task_id() != -1
+    return _compat.in_backward_pass()
 
 
 def _limit_to_top_groups(

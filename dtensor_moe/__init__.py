@@ -7,10 +7,13 @@ SGD, Adagrad; in-place, out-of-place, ``tensor_lr`` and ``.out`` overloads) and 
 
 from dtensor_moe.moe import MoE, MoEConfig
 from dtensor_moe.optim import clip_grad_norm_, register_strategies
+from dtensor_moe.parallel import MoEMeshes, build_moe_meshes
 
 __all__ = [
     "MoE",
     "MoEConfig",
+    "MoEMeshes",
+    "build_moe_meshes",
     "clip_grad_norm_",
     "register_strategies",
 ]

@@ -23,6 +23,7 @@ __all__ = [
     "dtensor_specs",
     "in_backward_pass",
     "local_tensor",
+    "local_tensors",
     "original_torch_function",
     "patch_torch_function",
     "locals_if_aligned",
@@ -85,19 +86,39 @@ _get_local = operator.attrgetter("_local_tensor")
 # Note [Aligned-slot cache]
 # A fused optimizer step sees the same param/state DTensors step after step. Whether list
 # ``values`` is slot-by-slot aligned with ``params`` depends only on their DTensorSpecs, which
-# are immutable; a DTensor whose layout changes gets a new spec object. So we key a small cache
-# on the identities of both spec tuples and keep the specs alive in the cache entry (so an id
-# cannot be reused while its entry exists). A hit costs a few C-level passes over the lists.
+# are immutable: a DTensor whose layout changes gets a new spec object. So each (argument
+# position, first param spec, length) remembers the last spec tuples it found aligned; the next
+# step compares the current specs to those by identity (a C-level pass) and skips the per-slot
+# checks on a match. Lists of plain 0-dim tensors (``state_steps``) are remembered by the
+# identity of the tensors themselves. Local tensors are read afresh at every step, since FSDP2
+# and others may swap a DTensor's local tensor in place.
 _ALIGNED: dict[tuple, tuple] = {}
 _ALIGNED_MAX = 256
 
 
-def dtensor_specs(values: list) -> tuple[DTensorSpec, ...] | None:
-    """The specs of ``values`` if every entry is a DTensor, else ``None``."""
+def dtensor_specs(values: list, canonical_key=None) -> tuple[DTensorSpec, ...] | None:
+    """The specs of ``values`` if every entry is a DTensor, else ``None``.
+
+    With ``canonical_key``, a tuple identical (entry by entry) to the one returned last time for
+    that key is returned as the *same* tuple object, so later checks can compare it with ``is``.
+    """
     try:
-        return tuple(map(_get_spec, values))
+        specs = tuple(map(_get_spec, values))
     except AttributeError:
         return None
+    if canonical_key is None:
+        return specs
+    key = ("canonical", canonical_key, len(specs))
+    cached = _ALIGNED.get(key)
+    if cached is not None and _same_objects(cached[0], specs):
+        return cached[0]
+    _remember(key, (specs,))
+    return specs
+
+
+def local_tensors(values: list) -> list[torch.Tensor]:
+    """The local tensors of a list of DTensors, in one C-level pass."""
+    return list(map(_get_local, values))
 
 
 def _specs_aligned(p_specs: tuple, v_specs: tuple) -> bool:
@@ -109,32 +130,56 @@ def _specs_aligned(p_specs: tuple, v_specs: tuple) -> bool:
     return True
 
 
+def _same_objects(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _remember(key: tuple, entry: tuple) -> None:
+    if len(_ALIGNED) >= _ALIGNED_MAX:
+        _ALIGNED.clear()
+    _ALIGNED[key] = entry
+
+
+def _plain_scalars_ok(key: tuple, values: list) -> bool:
+    """Whether ``values`` are all plain 0-dim tensors (cached on the tensors' identities)."""
+    cached = _ALIGNED.get(key)
+    vals = tuple(values)
+    if cached is not None and _same_objects(cached[0], vals):
+        return True
+    if DTensor in set(map(type, vals)) or any(map(torch.Tensor.dim, vals)):
+        return False
+    _remember(key, (vals,))
+    return True
+
+
 def locals_if_aligned(
-    p_specs: tuple[DTensorSpec, ...] | None, values: list, specs_out: list | None
+    p_specs: tuple[DTensorSpec, ...] | None, values: list, specs_out: list | None, slot_key=None
 ) -> list[torch.Tensor] | None:
     """Local tensors of ``values`` if no slot needs redistribution or a careful check.
 
     A list passes when every entry is a DTensor with its param's mesh and placements (``p_specs``
-    are the params' specs, ``None`` when some param is a plain tensor), or when every entry is a
+    are the params' specs from ``dtensor_specs(params, canonical_key=...)``, ``None`` when some
+    param is a plain tensor), or when every entry is a
     plain 0-dim tensor (torch.optim's ``state_steps``). Returns ``None`` (leaving ``specs_out``
-    untouched) when any slot needs the careful per-slot treatment. See Note [Aligned-slot cache].
+    untouched) when any slot needs the careful per-slot treatment. ``slot_key`` names the
+    argument (e.g. its schema position); see Note [Aligned-slot cache].
     """
+    first = id(p_specs[0]) if p_specs else None
+    key = (slot_key, first, len(values))
     v_specs = dtensor_specs(values)
     if v_specs is None:
-        if DTensor in set(map(type, values)) or any(map(torch.Tensor.dim, values)):
+        if not _plain_scalars_ok(key, values):
             return None
         if specs_out is not None:
             specs_out.extend([None] * len(values))
         return list(values)
     if p_specs is None:
         return None
-    key = (tuple(map(id, p_specs)), tuple(map(id, v_specs)))
-    if key not in _ALIGNED:
+    cached = _ALIGNED.get(key)
+    if cached is None or not (cached[0] is p_specs and _same_objects(cached[1], v_specs)):
         if not _specs_aligned(p_specs, v_specs):
             return None
-        if len(_ALIGNED) >= _ALIGNED_MAX:
-            _ALIGNED.clear()
-        _ALIGNED[key] = (p_specs, v_specs)
+        _remember(key, (p_specs, v_specs))
     if specs_out is not None:
         specs_out.extend(v_specs)
     return list(map(_get_local, values))

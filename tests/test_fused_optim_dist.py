@@ -95,9 +95,22 @@ class FusedOptimizerAcrossMeshesTest(DistTestBase):
                 state["exp_avg"] = state["exp_avg"].redistribute(
                     meshes["2d"], [Shard(1), Replicate()]
                 )
+            if step == 2:
+                # the same DTensor object changes layout in place (as FSDP2 may swap internals):
+                # the aligned-slot cache must notice the new spec
+                from dtensor_moe import _compat
+
+                sq = opt_dt.state[dt[0]]["exp_avg_sq"]
+                _compat.replace_dtensor_storage(
+                    sq, sq.redistribute(meshes["world"], [Replicate()])
+                )
             opt_ref.step()
             with CommDebugMode() as mode:
                 opt_dt.step()
+            if step == 2:
+                self.assertEqual(
+                    opt_dt.state[dt[0]]["exp_avg_sq"].placements, (Replicate(),)
+                )
             if step == 1:
                 self.assertExpectedInline(
                     str(_comm_counts(mode)),

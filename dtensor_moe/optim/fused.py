@@ -188,12 +188,16 @@ def _local_list(op, arg: str, params: list, p_specs, values: list, write_backs: 
     """Localize one tensor list slot by slot; the fast path is a single pass of cheap checks."""
     if len(values) == 0:
         return []
+    if values is params and p_specs is not None:  # the params themselves: nothing to align
+        if specs_out is not None:
+            specs_out.extend(p_specs)
+        return _compat.local_tensors(values)
     if len(values) != len(params):
         raise ValueError(
             f"{op}: '{arg}' has {len(values)} tensors but 'self' has {len(params)} params; "
             "each list must be empty or have one tensor per param."
         )
-    fast = _compat.locals_if_aligned(p_specs, values, specs_out)
+    fast = _compat.locals_if_aligned(p_specs, values, specs_out, slot_key=(op, arg))
     if fast is not None:
         return fast
     local = []
@@ -242,8 +246,12 @@ def _wrap_results(result, specs_per_list: list) -> list:
     return wrapped
 
 
-def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict):
+def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict, kernel=None):
     """DTensor handler for every fused optimizer overload; see Note [Per-slot rule].
+
+    ``kernel`` is what runs on the local tensors: ``op`` itself by default, or the equivalent
+    ``torch._fused_*_`` function, whose Python binding is cheaper than an OpOverload call (see
+    Note [Fused fast entry]).
 
     Communication: none when every slot already has its param's placements; otherwise the
     redistributions that align those slots, each on its own param's mesh.
@@ -251,7 +259,7 @@ def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict
     layout = fused_op_layout(op)
     new_args, new_kwargs = list(args), dict(kwargs)
     params = _get_arg(args, kwargs, *layout.list_args[0])
-    p_specs = _compat.dtensor_specs(params)
+    p_specs = _compat.dtensor_specs(params, canonical_key=op)
     write_backs: list[_WriteBack] = []
     specs_per_list = []
     for name, pos, kwarg_only in layout.list_args:
@@ -267,7 +275,7 @@ def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict
         value = _get_arg(args, kwargs, name, pos, kwarg_only)
         if value is not None:
             _set_arg(new_args, new_kwargs, name, pos, kwarg_only, _local_scalar(op, name, value))
-    result = op(*new_args, **new_kwargs)
+    result = (kernel or op)(*new_args, **new_kwargs)
     _write_back(write_backs)
     if layout.num_result_lists == 0:
         return result
@@ -287,6 +295,12 @@ def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict
 _FAST_ENTRY_NAMES = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
 
 
+def _has_dtensor(params: list) -> bool:
+    if not params:
+        return False
+    return type(params[0]) is DTensor or DTensor in set(map(type, params))
+
+
 def _make_fast_entry(name: str):
     packet = getattr(aten, name)
 
@@ -295,12 +309,12 @@ def _make_fast_entry(name: str):
             if (
                 not args
                 or torch.is_grad_enabled()
-                or DTensor not in set(map(type, args[0]))
+                or not _has_dtensor(args[0])
                 or torch.compiler.is_compiling()
             ):
                 return original(*args, **kwargs)
             op = packet.tensor_lr if isinstance(kwargs.get("lr"), torch.Tensor) else packet.default
-            return fused_optimizer_handler(op, args, kwargs)
+            return fused_optimizer_handler(op, args, kwargs, kernel=original)
 
         fused_entry.__name__ = fused_entry.__qualname__ = name
         fused_entry.__doc__ = f"dtensor_moe fast entry for torch.{name}; see docs/optimizers.md."

@@ -1,0 +1,134 @@
+"""FSDP2 for models that contain :class:`~dtensor_moe.MoE` layers.
+
+Note [FSDP2 with experts]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+In an MoE model the routed experts and the dense params are data-parallel over different
+groups (see Note [MoE meshes] in ``mesh.py``):
+
+* every ``moe.experts`` module gets its own FSDP group on the expert mesh's ``"edp"`` dim; its
+  params may already be DTensors on ``"ep"``/``"etp"`` (from the parallel styles), and FSDP2
+  stacks its own shard on top (the ``"edp"`` dim is the outer dim of the same expert mesh).
+* everything else (attention, router, shared experts, embeddings, norms) is sharded on the
+  dense mesh's ``"dp"`` dim: one group per block passed in ``blocks`` plus one at the root.
+
+Gradient scaling. The training loss is a mean over the ``dp`` data-parallel batches, so every
+gradient must be averaged over ``dp`` batches. FSDP averages over the size of the mesh it
+reduces on: that is right for the dense params (``"dp"``), but the expert FSDP group reduces
+over ``edp = world / (ep * etp)`` ranks while its gradients already sum the tokens of all the
+ranks that the all-to-all gathered. So the expert groups divide by ``dp`` instead
+(``set_gradient_divide_factor``), which makes their gradients the exact global mean.
+
+Small expert counts. When ``edp`` exceeds the number of experts each rank holds after EP, a
+``Shard(0)`` on the expert dim would leave FSDP ranks without a whole expert; the expert
+weights then shard on dim 1 (the hidden dim of ``w1``/``w3``, the model dim of ``w2``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from dtensor_moe.moe.layer import MoE
+from dtensor_moe.parallel.mesh import MoEMeshes
+
+__all__ = ["expert_shard_dim", "fully_shard_moe"]
+
+
+def expert_shard_dim(num_experts: int, meshes: MoEMeshes) -> int:
+    """The dim FSDP shards the expert weights on: 0 when every ``"edp"`` rank gets whole experts.
+
+    ``num_experts // ep`` experts remain per rank after EP; FSDP splits them over ``edp`` ranks.
+    """
+    local_experts = num_experts // meshes.ep
+    return 0 if local_experts % meshes.edp == 0 else 1
+
+
+def _check_model(model: nn.Module, meshes: MoEMeshes, blocks: list[nn.Module]) -> list[MoE]:
+    if not isinstance(meshes, MoEMeshes):
+        raise TypeError(
+            f"fully_shard_moe expects the MoEMeshes of build_moe_meshes(...), got "
+            f"{type(meshes).__name__}"
+        )
+    if isinstance(model, FSDPModule):
+        raise ValueError("fully_shard_moe: the model is already sharded with fully_shard")
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    owned = {id(m) for m in model.modules()}
+    for block in blocks:
+        if id(block) not in owned or block is model:
+            raise ValueError(
+                f"fully_shard_moe: every entry of blocks must be a strict submodule of the model; "
+                f"got {type(block).__name__}"
+            )
+    for moe in moes:
+        dim = expert_shard_dim(moe.config.num_experts, meshes)
+        if dim == 1 and moe.config.hidden_dim % meshes.edp != 0:
+            raise ValueError(
+                f"fully_shard_moe: {moe.config.num_experts} experts over ep={meshes.ep} leave "
+                f"fewer experts than the {meshes.edp} expert-data-parallel ranks, so the experts "
+                f"shard on dim 1, which needs hidden_dim ({moe.config.hidden_dim}) and dim "
+                f"({moe.config.dim}) divisible by edp={meshes.edp}"
+            )
+    return moes
+
+
+def fully_shard_moe(
+    model: nn.Module,
+    meshes: MoEMeshes,
+    *,
+    blocks: Iterable[nn.Module] = (),
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2: routed experts on ``"edp"``, the rest on ``"dp"``.
+
+    Apply the parallel styles (EP/TP/SP) first, then this. See Note [FSDP2 with experts].
+
+    Args:
+        model: a module containing :class:`~dtensor_moe.MoE` layers (anywhere inside).
+        meshes: from :func:`~dtensor_moe.parallel.build_moe_meshes`.
+
+    Keyword Args:
+        blocks: submodules (e.g. transformer blocks) that get an FSDP group each, so their
+            all-gathers overlap with compute; the root gets the remaining params.
+        reshard_after_forward: passed to every ``fully_shard`` call.
+        mp_policy: mixed-precision policy passed to every ``fully_shard`` call.
+
+    Returns:
+        ``model``, now an ``FSDPModule``. Collectives (per FSDP group): all-gather of params in
+        forward (and backward with ``reshard_after_forward``), reduce-scatter of grads in
+        backward.
+
+    Example::
+
+        meshes = build_moe_meshes(dp=4, ep=2)
+        parallelize_moe(model, meshes)                      # EP styles
+        fully_shard_moe(model, meshes, blocks=model.layers)
+        opt = torch.optim.AdamW(model.parameters(), fused=True)   # one optimizer, two meshes
+    """
+    blocks = list(blocks)
+    moes = _check_model(model, meshes, blocks)
+    kwargs: dict = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for moe in moes:
+        dim = expert_shard_dim(moe.config.num_experts, meshes)
+        fully_shard(
+            moe.experts,
+            mesh=meshes.expert["edp"],
+            shard_placement_fn=lambda _param, _dim=dim: Shard(_dim),
+            **kwargs,
+        )
+        moe.experts.set_gradient_divide_factor(float(meshes.dp))
+    for block in blocks:
+        fully_shard(block, mesh=meshes.dense["dp"], **kwargs)
+    fully_shard(model, mesh=meshes.dense["dp"], **kwargs)
+    return model
+
+
+def expert_params(model: nn.Module) -> list[torch.nn.Parameter]:
+    """The params of every ``moe.experts`` module of ``model`` (for logging or param groups)."""
+    return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]

@@ -129,6 +129,40 @@ class FSDPMoETest(DistTestBase):
             self.assertLessEqual((got - want).abs().max().item(), RTOL * scale, name)
 
     @with_comms
+    def test_grad_accumulation_and_one_bias_update_per_step(self):
+        """2 micro-batches per step == 1 big batch; the expert bias moves once per step."""
+        from dtensor_moe.moe import update_expert_bias
+
+        meshes = build_moe_meshes(dp=4, ep=1)
+        ref = make_model(use_expert_bias=True)
+        model = copy.deepcopy(ref)
+        fully_shard_moe(model, meshes, blocks=model.layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+        # the documented pattern: update the bias from an optimizer hook, once per step
+        opt.register_step_post_hook(
+            lambda *_: update_expert_bias(model, 1e-2, process_group=dist.group.WORLD)
+        )
+        ref_opt.register_step_post_hook(lambda *_: update_expert_bias(ref, 1e-2))
+        batches = [global_batch(s, batch=8, seq_len=6) for s in range(3)]
+        rows = slice(2 * self.rank, 2 * self.rank + 2)
+        losses = self._train(model, opt, batches, local_rows=rows, micro=2)
+        for step, tokens in enumerate(batches):
+            loss = lm_loss(ref, tokens)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(_avg(losses[step]), loss.detach(), rtol=RTOL, atol=ATOL)
+        self._assert_params_match(model, ref, "2 micro-batches")
+        ref_buffers = dict(ref.named_buffers())
+        for name, buf in model.named_buffers():
+            if name.endswith("expert_bias"):
+                # three steps with sign updates of +-1e-2 (centred): nonzero, equal to the reference
+                self.assertGreater(buf.abs().max().item(), 0.0)
+                torch.testing.assert_close(buf, ref_buffers[name], rtol=0, atol=1e-7)
+
+    @with_comms
     def test_expert_shard_dim_for_small_expert_counts(self):
         meshes = build_moe_meshes(dp=4, ep=1)
         self.assertEqual(expert_shard_dim(4, meshes), 0)

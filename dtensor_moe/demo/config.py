@@ -1,0 +1,282 @@
+"""Command-line flags of the demo, and the checks that turn them into a :class:`DemoConfig`.
+
+Every check runs before any process is started (plain launch) or before any collective (under
+``torchrun``), so a bad layout stops with one message instead of a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from dtensor_moe import MoEConfig
+from dtensor_moe.demo.model import ModelConfig
+
+__all__ = ["DemoConfig", "LayoutError", "build_parser", "resolve_config"]
+
+DEFAULT_WORLD = 4
+
+
+class LayoutError(ValueError):
+    """A flag combination the demo cannot run; the message names the values and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Everything one run needs, validated and identical on every rank."""
+
+    world: int
+    dp: int
+    ep: int
+    tp: int
+    sequence_parallel: bool
+    model: ModelConfig
+    steps: int
+    batch: int
+    seq_len: int
+    lr: float
+    max_norm: float
+    balance: bool
+    bias_rate: float
+    seed: int
+    out: str
+    compare_balance: bool
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq_len
+
+    def layout_line(self) -> str:
+        sp = "on" if self.sequence_parallel and self.tp > 1 else "off"
+        return f"world={self.world}  dp={self.dp}  ep={self.ep}  tp={self.tp}  sp={sp}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dtensor_moe.demo",
+        description=(
+            "Train a small MoE transformer language model on CPU under a parallel layout "
+            "(FSDP2 over dp, tensor + sequence parallelism over tp, expert parallelism over "
+            "ep), then rerun the same steps in one process and print the largest loss "
+            "difference. Started plainly it launches --nproc gloo processes itself; under "
+            "torchrun (single- or multi-node) it takes RANK/WORLD_SIZE/LOCAL_RANK from the "
+            "environment and --nproc is not used."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    layout = parser.add_argument_group("layout (dp * tp must equal the number of processes)")
+    layout.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help=f"processes to launch when not under torchrun "
+        f"(default: dp * tp when both are given, else {DEFAULT_WORLD})",
+    )
+    layout.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel (FSDP2) degree of the dense params (default: processes // tp)",
+    )
+    layout.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel degree of attention, embeddings and LM head "
+        "(default: 2 when the process count is even, else 1)",
+    )
+    layout.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel degree: experts are split over this many ranks",
+    )
+    layout.add_argument(
+        "--sp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sequence parallelism on the tp ranks (norms and residual stream "
+        "sharded on the sequence dim; any --seq-len works)",
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--vocab", type=int, default=64, help="vocabulary size (Markov states)")
+    model.add_argument("--dim", type=int, default=64, help="model width")
+    model.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    model.add_argument("--heads", type=int, default=4, help="attention heads (divisible by tp)")
+    model.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
+    model.add_argument("--top-k", type=int, default=2, help="experts each token is sent to")
+    model.add_argument(
+        "--hidden", type=int, default=None, help="hidden width of each expert (default: 2 * dim)"
+    )
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    train.add_argument(
+        "--batch", type=int, default=8, help="global batch in sequences (divisible by dp)"
+    )
+    train.add_argument(
+        "--seq-len", type=int, default=64, help="tokens per sequence; need not be divisible by tp"
+    )
+    train.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    train.add_argument(
+        "--max-norm",
+        type=float,
+        default=1.0,
+        help="clip the global grad norm to this (dtensor_moe.clip_grad_norm_)",
+    )
+    train.add_argument(
+        "--balance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="auxiliary-loss-free load balancing (expert bias updated after "
+        "every step by dtensor_moe.moe.update_expert_bias)",
+    )
+    train.add_argument(
+        "--bias-rate", type=float, default=1e-3, help="step size of the expert-bias update"
+    )
+    train.add_argument(
+        "--compare-balance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train one process with balancing switched the other way, to "
+        "show its effect on the load imbalance",
+    )
+    train.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    parser.add_argument(
+        "--out", default="moe_demo_out", help="directory for metrics.json and training.png"
+    )
+    return parser
+
+
+def _fail(message: str) -> None:
+    raise LayoutError(message)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_positive(args: argparse.Namespace) -> None:
+    for flag in (
+        "nproc",
+        "dp",
+        "tp",
+        "ep",
+        "vocab",
+        "dim",
+        "layers",
+        "heads",
+        "experts",
+        "top_k",
+        "hidden",
+        "steps",
+        "batch",
+        "seq_len",
+    ):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            _fail(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    for flag in ("lr", "bias_rate"):
+        if not getattr(args, flag) > 0:
+            _fail(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if not args.max_norm > 0:
+        _fail(f"--max-norm must be > 0, got {args.max_norm}")
+
+
+def _resolve_degrees(args: argparse.Namespace, world: int) -> tuple[int, int]:
+    """``(dp, tp)`` from the flags and the process count; ``dp * tp == world``."""
+    tp = args.tp if args.tp is not None else (2 if world % 2 == 0 else 1)
+    fix = f"choose --tp in {{{_divisors(world)}}} and --dp = {world} // tp"
+    if args.dp is None and world % tp != 0:
+        _fail(f"--tp {tp} does not divide the {world} processes; {fix}")
+    dp = args.dp if args.dp is not None else world // tp
+    if dp * tp != world:
+        _fail(
+            f"--dp {dp} x --tp {tp} = {dp * tp}, but there are {world} processes; dp * tp "
+            f"must equal the number of processes: {fix}"
+        )
+    return dp, tp
+
+
+def _check_model(args: argparse.Namespace, dp: int, tp: int, ep: int) -> None:
+    if args.dim % args.heads != 0 or (args.dim // args.heads) % 2 != 0:
+        _fail(
+            f"--dim {args.dim} must be an even multiple of --heads {args.heads} "
+            "(rotary embeddings need an even head width)"
+        )
+    if args.heads % tp != 0:
+        _fail(
+            f"--heads {args.heads} is not divisible by --tp {tp}; each tp rank holds "
+            f"heads / tp heads (choose --heads a multiple of {tp})"
+        )
+    if args.vocab % tp != 0:
+        _fail(
+            f"--vocab {args.vocab} is not divisible by --tp {tp}; the embedding and LM head "
+            "are split by vocabulary rows"
+        )
+    if args.batch % dp != 0:
+        _fail(
+            f"--batch {args.batch} is not divisible by --dp {dp}; every data-parallel rank "
+            f"takes batch / dp sequences (choose a multiple of {dp})"
+        )
+    if args.experts % ep != 0:
+        _fail(
+            f"--experts {args.experts} is not divisible by --ep {ep}; each ep rank holds "
+            f"experts / ep experts (choose --ep in {{{_divisors(args.experts)}}})"
+        )
+    if args.top_k > args.experts:
+        _fail(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+
+
+def _check_expert_parallel(ep: int, dp: int, tp: int, world: int) -> None:
+    """EP needs the expert-parallel styles (issue 4) and a degree the meshes can hold."""
+    if ep == 1:
+        return
+    _fail(
+        f"--ep {ep}: expert parallelism needs dtensor_moe.parallel.ExpertParallel, which this "
+        "version does not ship yet; run with --ep 1 (the experts are then FSDP-sharded over dp)"
+    )
+
+
+def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
+    """Check the flags for ``world`` processes; :class:`LayoutError` names the first problem."""
+    _check_positive(args)
+    dp, tp = _resolve_degrees(args, world)
+    _check_model(args, dp, tp, args.ep)
+    _check_expert_parallel(args.ep, dp, tp, world)
+    hidden = args.hidden if args.hidden is not None else 2 * args.dim
+    try:
+        moe = MoEConfig(
+            dim=args.dim,
+            hidden_dim=hidden,
+            num_experts=args.experts,
+            top_k=args.top_k,
+            use_expert_bias=args.balance,
+        )
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
+    model = ModelConfig(
+        vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads, moe=moe
+    )
+    return DemoConfig(
+        world=world,
+        dp=dp,
+        ep=args.ep,
+        tp=tp,
+        sequence_parallel=args.sp,
+        model=model,
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        max_norm=args.max_norm,
+        balance=args.balance,
+        bias_rate=args.bias_rate,
+        seed=args.seed,
+        out=args.out,
+        compare_balance=args.compare_balance,
+    )
+
+
+def entropy_floor_note(vocab: int) -> str:
+    return f"(a model that ignores the data would stay at log(vocab) = {math.log(vocab):.3f})"

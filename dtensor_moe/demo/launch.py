@@ -1,0 +1,215 @@
+"""Entry point: validate the flags, start the processes (or join torchrun's), run, report.
+
+Note [Demo launch]
+~~~~~~~~~~~~~~~~~~
+- **Plain** ``python -m dtensor_moe.demo``: the flags are validated in this process, *before*
+  any worker exists, then ``--nproc`` workers are started with ``torch.multiprocessing`` (fork
+  on Linux, spawn elsewhere) on a free local port, each with ``RANK``/``WORLD_SIZE``/
+  ``LOCAL_RANK`` set as torchrun would.
+- **Under torchrun** (``RANK`` and ``WORLD_SIZE`` in the environment; single- or multi-node):
+  every rank validates the same flags against ``WORLD_SIZE`` before ``init_process_group``, so a
+  bad layout exits on every rank before any collective; only rank 0 prints the message.
+
+Either way each worker then runs :func:`run_rank`: the distributed run; then rank 0 reruns the
+same steps in one process (the parity reference) while rank 1 trains one process with load
+balancing switched the other way; rank 0 gathers both and reports.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dtensor_moe.demo.config import (
+    DEFAULT_WORLD,
+    DemoConfig,
+    LayoutError,
+    build_parser,
+    resolve_config,
+)
+from dtensor_moe.demo.data import MarkovChain
+from dtensor_moe.demo.layout import apply_layout, describe_layout
+from dtensor_moe.demo.report import progress_line, summarize, summary_lines, write_outputs
+from dtensor_moe.demo.train import build_model, run_single_process, train
+from dtensor_moe.parallel import build_moe_meshes
+
+__all__ = ["main", "run_rank"]
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _plain_world(nproc: int | None, dp: int | None, tp: int | None) -> int:
+    if nproc is not None:
+        return nproc
+    if dp is not None and tp is not None:
+        return dp * tp
+    return DEFAULT_WORLD
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns the process exit code (0 ok, 1 parity failed, 2 bad flags)."""
+    start = time.time()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    torchrun = _under_torchrun()
+    world = (
+        int(os.environ["WORLD_SIZE"]) if torchrun else _plain_world(args.nproc, args.dp, args.tp)
+    )
+    try:
+        if torchrun and args.nproc is not None and args.nproc != world:
+            raise LayoutError(
+                f"--nproc {args.nproc} does not match torchrun's WORLD_SIZE={world}; under "
+                "torchrun the process count comes from torchrun (drop --nproc)"
+            )
+        config = resolve_config(args, world)
+    except LayoutError as err:
+        if not torchrun or os.environ.get("RANK") == "0":
+            print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    if torchrun:
+        return run_rank(config, start)
+    return _launch(config, start)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(config: DemoConfig, start: float) -> int:
+    """Start ``config.world`` local gloo workers, wait for them, return rank 0's exit code."""
+    method = "fork" if sys.platform == "linux" else "spawn"
+    exit_code = mp.get_context(method).Value("i", 1)
+    try:
+        mp.start_processes(
+            _worker,
+            args=(config, start, _free_port(), exit_code),
+            nprocs=config.world,
+            start_method=method,
+        )
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        print(err, file=sys.stderr)
+        return 1
+    return exit_code.value
+
+
+def _worker(rank: int, config: DemoConfig, start: float, port: int, exit_code) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(config.world),
+    )
+    code = run_rank(config, start)
+    if rank == 0:
+        exit_code.value = code
+
+
+def run_rank(config: DemoConfig, start: float) -> int:
+    """The body of one rank (process group from the environment); see Note [Demo launch]."""
+    torch.set_num_threads(1)
+    # The LM head returns a view of its DTensor output; the training loop never writes to the
+    # logits in place, which is the case this FSDP2 warning is about.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    dist.init_process_group("gloo")
+    try:
+        return _run(config, start)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(config: DemoConfig, start: float) -> int:
+    rank = dist.get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    chain = MarkovChain.random(config.model.vocab_size, seed=config.seed)
+    meshes = build_moe_meshes(dp=config.dp, ep=config.ep, tp=config.tp, expert_tp=config.ep == 1)
+    model = build_model(config.model, config.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    apply_layout(model, meshes, sequence_parallel=config.sequence_parallel)
+    mesh_lines = describe_layout(model)
+    _print_header(say, config, n_params, mesh_lines, chain)
+    records = train(
+        model,
+        config,
+        chain,
+        dp_rank=meshes.dense.get_coordinate()[0],
+        dp_size=config.dp,
+        group=dist.group.WORLD,
+        on_step=lambda r: say(progress_line(r, config.steps), flush=True),
+    )
+    train_s = time.time() - start
+    say(f"distributed run done; rerunning the {config.steps} steps in one process ...", flush=True)
+    runs = _single_process_runs(config, chain, rank)
+    if rank != 0:
+        return 0
+    runs["distributed"] = records
+    summary = summarize(runs, config, chain.entropy_rate())
+    wall = time.time() - start
+    meta = {
+        "layout": mesh_lines,
+        "entropy_rate": chain.entropy_rate(),
+        "wall_time_s": wall,
+        "distributed_done_s": train_s,
+    }
+    written = write_outputs(config.out, runs, summary, config, meta)
+    say("\n".join(summary_lines(summary, config)))
+    say(
+        f"wrote {', '.join(written)}"
+        + ("" if len(written) > 1 else " (pip install matplotlib for training.png)")
+    )
+    say(f"wall time {wall:.1f} s")
+    return 0 if summary.parity_ok else 1
+
+
+def _single_process_runs(config: DemoConfig, chain: MarkovChain, rank: int) -> dict:
+    """Rank 0: the parity rerun; rank 1 (rank 0 on one process): the other balance setting."""
+    world = dist.get_world_size()
+    runs = {}
+    if rank == 0:
+        runs["reference"] = run_single_process(config, chain, balance=config.balance)
+    comparison_rank = 1 if world > 1 else 0
+    comparison = None
+    if config.compare_balance and rank == comparison_rank:
+        comparison = run_single_process(config, chain, balance=not config.balance)
+    if config.compare_balance:
+        if world > 1:
+            received = [None] * world if rank == 0 else None
+            dist.gather_object(comparison, received, dst=0)
+            comparison = received[comparison_rank] if rank == 0 else None
+        if rank == 0:
+            runs["comparison"] = comparison
+    return runs
+
+
+def _print_header(say, config: DemoConfig, n_params: int, mesh_lines: list[str], chain) -> None:
+    m = config.model
+    say(
+        f"dtensor_moe demo: {m.n_layers}-layer MoE transformer (dim {m.dim}, {m.n_heads} heads, "
+        f"{m.moe.num_experts} experts, top-{m.moe.top_k}, vocab {m.vocab_size}; "
+        f"{n_params / 1e6:.2f}M params) on {config.world} gloo processes"
+    )
+    say(f"layout: {config.layout_line()}")
+    for line in mesh_lines:
+        say(f"  params on {line}")
+    say(
+        f"one fused AdamW over all params; dtensor_moe.clip_grad_norm_(max_norm={config.max_norm}) "
+        f"across the meshes; load balancing {'on' if config.balance else 'off'}"
+    )
+    say(
+        f"data: Markov chain over {m.vocab_size} tokens, entropy rate {chain.entropy_rate():.4f} "
+        f"nats/token (the best possible loss; uniform guessing gives "
+        f"{torch.tensor(float(m.vocab_size)).log():.4f}); global batch {config.batch} x "
+        f"{config.seq_len} tokens",
+        flush=True,
+    )

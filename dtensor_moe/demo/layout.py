@@ -1,0 +1,151 @@
+"""The parallel layout of the demo model: every sharding decision lives in :func:`apply_layout`.
+
+Note [Demo layout]
+~~~~~~~~~~~~~~~~~~
+``apply_layout`` turns the single-device :class:`~dtensor_moe.demo.model.MoETransformer` into a
+distributed one, in three steps that only use public PyTorch and dtensor_moe APIs:
+
+1. **Tensor (and sequence) parallelism of the dense layers** on ``meshes.dense["tp"]`` with
+   torch's own styles. With sequence parallelism the residual stream between blocks is a
+   ``Shard(1)`` DTensor (uneven when ``L`` is not a multiple of ``tp``: DTensor pads the
+   collectives itself); without it, it is a plain tensor, the same on every tp rank.
+
+   ===========================  =========================================================
+   module                       style
+   ===========================  =========================================================
+   ``tok_embeddings``           ``RowwiseParallel``: vocab rows sharded; out ``Shard(1)`` (SP)
+                                or ``Replicate``
+   ``*.attention_norm``,        ``SequenceParallel`` (SP only; replicated weights)
+   ``*.moe_norm``, ``norm``
+   ``*.attention``              ``PrepareModuleInput``: ``Shard(1)`` -> ``Replicate`` (SP only;
+                                all-gather)
+   ``*.attention.wq/wk/wv``     ``ColwiseParallel``: ``heads / tp`` heads per rank
+   ``*.attention.wo``           ``RowwiseParallel``: out ``Shard(1)`` (SP, reduce-scatter) or
+                                ``Replicate`` (all-reduce)
+   ``*.moe``                    see step 2
+   ``output``                   ``ColwiseParallel``: logits all-gathered to ``Replicate``
+   ===========================  =========================================================
+
+2. **The MoE layers.** Until the expert-parallel styles of ``dtensor_moe.parallel`` exist
+   (issue 4), every tp rank runs the whole MoE on the whole (all-gathered) sequence, and its
+   params are replicated over tp. That is the ``PrepareModuleInputOutput`` below; swapping in
+   EP / expert TP / the SP MoE-input style only changes this step.
+
+3. **FSDP2** with :func:`dtensor_moe.parallel.fsdp.fully_shard_moe`: the routed experts of each
+   MoE on the expert mesh's ``"edp"`` dim, each block and then the root on the dense mesh's
+   ``"dp"`` dim. Params that step 1 made DTensors on the tp mesh end up on the 2-D
+   ``("dp", "tp")`` mesh, the router gates on the 1-D ``dp`` mesh and the experts on the 1-D
+   ``edp`` mesh. One fused AdamW and one :func:`dtensor_moe.clip_grad_norm_` then work across
+   all of them.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from dtensor_moe.demo.model import MoETransformer
+from dtensor_moe.parallel import MoEMeshes
+from dtensor_moe.parallel.fsdp import fully_shard_moe
+
+__all__ = ["apply_layout", "describe_layout"]
+
+
+def apply_layout(model: MoETransformer, meshes: MoEMeshes, *, sequence_parallel: bool) -> None:
+    """Shard ``model`` in place for ``meshes``; see Note [Demo layout].
+
+    Collectives: only the process-group set-up that the meshes already did; the styles and
+    ``fully_shard`` communicate from the first forward on.
+    """
+    sp = sequence_parallel and meshes.tp > 1
+    if meshes.tp > 1:
+        parallelize_module(model, meshes.dense["tp"], _tensor_parallel_plan(model, sp))
+    fully_shard_moe(model, meshes, blocks=model.layers)
+
+
+def _tensor_parallel_plan(model: MoETransformer, sp: bool) -> dict[str, ParallelStyle]:
+    """Step 1 and 2 of Note [Demo layout] as one ``parallelize_module`` plan."""
+    seq = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=not sp
+        ),
+        "output": ColwiseParallel(
+            input_layouts=seq, output_layouts=Replicate(), use_local_output=True
+        ),
+    }
+    if sp:
+        plan["norm"] = SequenceParallel()
+    for i in range(len(model.layers)):
+        prefix = f"layers.{i}."
+        plan.update(
+            {
+                prefix + "attention.wq": ColwiseParallel(),
+                prefix + "attention.wk": ColwiseParallel(),
+                prefix + "attention.wv": ColwiseParallel(),
+                prefix + "attention.wo": RowwiseParallel(
+                    output_layouts=seq, use_local_output=not sp
+                ),
+                prefix + "moe": _moe_style(seq),
+            }
+        )
+        if sp:
+            plan[prefix + "attention_norm"] = SequenceParallel()
+            plan[prefix + "moe_norm"] = SequenceParallel()
+            plan[prefix + "attention"] = PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+            )
+    return plan
+
+
+def _moe_style(seq: Shard | Replicate) -> ParallelStyle:
+    """The MoE's style on the tp mesh: the whole sequence in, the residual layout back out."""
+    return PrepareModuleInputOutput(
+        input_layouts=(seq,),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(seq,),
+        use_local_output=isinstance(seq, Replicate),
+    )
+
+
+_PARAM_KINDS = (  # (name fragment, what to call it), first match wins
+    ("tok_embeddings", "embeddings"),
+    ("shared_experts", "shared experts"),
+    ("experts", "routed experts"),
+    ("router", "router"),
+    ("attention.", "attention"),
+    ("norm", "norms"),
+    ("output", "LM head"),
+)
+
+
+def describe_layout(model: nn.Module) -> list[str]:
+    """One line per mesh the params live on: the mesh, how many params, which kinds."""
+    by_mesh: dict[str, list[str]] = {}
+    for name, param in model.named_parameters():
+        mesh = getattr(param, "device_mesh", None)
+        key = "plain tensors" if mesh is None else _mesh_name(mesh)
+        kind = next((k for fragment, k in _PARAM_KINDS if fragment in name), "other")
+        by_mesh.setdefault(key, []).append(kind)
+    return [
+        f"{key}: {len(kinds)} params ({', '.join(dict.fromkeys(kinds))})"
+        for key, kinds in by_mesh.items()
+    ]
+
+
+def _mesh_name(mesh: DeviceMesh) -> str:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    dims = " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape, strict=True))
+    return f"mesh ({dims})"

@@ -1,0 +1,239 @@
+"""What rank 0 prints and writes: progress lines, the summary, metrics.json and training.png."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from dtensor_moe.demo.config import DemoConfig
+from dtensor_moe.demo.train import StepRecord
+
+__all__ = ["PARITY_TOLERANCE", "Summary", "progress_line", "summarize", "write_outputs"]
+
+# Largest |loss difference| between the distributed run and its single-process rerun that the
+# demo accepts. Both runs are fp32 with the same weights and batches; they differ only in the
+# order of floating-point sums (sharded matmuls, reduce-scatters), about 1e-7 per step.
+PARITY_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Summary:
+    """The end-of-run comparisons that the summary prints and metrics.json keeps."""
+
+    max_loss_diff: float
+    max_grad_norm_diff: float
+    routing_diverged_at: int | None
+    compared_steps: int
+    parity_ok: bool
+    imbalance_balanced: float | None
+    imbalance_unbalanced: float | None
+    final_loss: float
+    entropy_rate: float
+
+
+def progress_line(record: StepRecord, steps: int) -> str:
+    width = len(str(steps))
+    return (
+        f"step {record.step:>{width}}/{steps}  loss {record.loss:.4f}  "
+        f"tok/s {record.tokens_per_s:>7,.0f}  grad-norm {record.grad_norm:.3f}  "
+        f"imbalance {record.imbalance:.2f}"
+    )
+
+
+def _tail_mean(values: list[float]) -> float:
+    """Mean over the second half of the run, where the router has settled."""
+    tail = values[len(values) // 2 :] or values
+    return sum(tail) / len(tail)
+
+
+def summarize(
+    runs: dict[str, list[StepRecord]], config: DemoConfig, entropy_rate: float
+) -> Summary:
+    """Compare the runs: ``distributed`` with ``reference``, balanced with unbalanced.
+
+    Losses are compared over the steps whose routing agrees exactly (the same tokens per expert
+    in every layer); see Note [Decisive routing] in ``model.py``.
+    """
+    dist_run, ref_run = runs["distributed"], runs["reference"]
+    diverged = next(
+        (a.step for a, b in zip(dist_run, ref_run, strict=True) if a.expert_load != b.expert_load),
+        None,
+    )
+    compared = len(dist_run) if diverged is None else diverged - 1
+    pairs = list(zip(dist_run, ref_run, strict=True))[:compared]
+    max_loss_diff = max((abs(a.loss - b.loss) for a, b in pairs), default=math.nan)
+    max_norm_diff = max((abs(a.grad_norm - b.grad_norm) for a, b in pairs), default=math.nan)
+    imbalance = {
+        config.balance: _tail_mean([r.imbalance for r in dist_run]),
+    }
+    if "comparison" in runs:
+        imbalance[not config.balance] = _tail_mean([r.imbalance for r in runs["comparison"]])
+    return Summary(
+        max_loss_diff=max_loss_diff,
+        max_grad_norm_diff=max_norm_diff,
+        routing_diverged_at=diverged,
+        compared_steps=compared,
+        parity_ok=max_loss_diff <= PARITY_TOLERANCE,
+        imbalance_balanced=imbalance.get(True),
+        imbalance_unbalanced=imbalance.get(False),
+        final_loss=sum(r.loss for r in dist_run[-10:]) / len(dist_run[-10:]),
+        entropy_rate=entropy_rate,
+    )
+
+
+def summary_lines(summary: Summary, config: DemoConfig) -> list[str]:
+    s = summary
+    loss = (
+        f"loss: {s.final_loss:.4f} (mean of the last 10 steps); data entropy rate "
+        f"{s.entropy_rate:.4f} (the best achievable), gap {s.final_loss - s.entropy_rate:+.4f}"
+    )
+    return [loss, _parity_line(s, config), _balance_line(s, config)]
+
+
+def _parity_line(s: Summary, config: DemoConfig) -> str:
+    verdict = "OK" if s.parity_ok else "FAILED"
+    head = f"parity: the same {config.steps} steps rerun in one process, same seed and weights: "
+    if s.compared_steps == 0:
+        return head + "routing differed from the first step on; nothing to compare -> FAILED"
+    routing = "every token routed identically"
+    if s.routing_diverged_at is not None:
+        routing = (
+            f"routing identical up to step {s.compared_steps}, then a near-tie router score "
+            "was rounded differently (see Note [Decisive routing] in dtensor_moe/demo/model.py); "
+            f"compared steps 1-{s.compared_steps}"
+        )
+    return (
+        head + f"{routing}; max |loss difference| {s.max_loss_diff:.2e} (tolerance "
+        f"{PARITY_TOLERANCE:.0e}) -> {verdict}; max |grad-norm difference| "
+        f"{s.max_grad_norm_diff:.2e}"
+    )
+
+
+def _balance_line(s: Summary, config: DemoConfig) -> str:
+    on, off = s.imbalance_balanced, s.imbalance_unbalanced
+    if on is None or off is None:
+        value = on if on is not None else off
+        state = "on" if on is not None else "off"
+        return (
+            f"load balancing {state}: imbalance (max/mean tokens per expert, second half) "
+            f"{value:.2f}; rerun with --compare-balance to see the other setting"
+        )
+    source = "this run" if config.balance else "single-process rerun"
+    other = "single-process rerun" if config.balance else "this run"
+    if on < off:
+        effect = f"the expert bias lowers it by {100 * (1 - on / off):.0f}%"
+    else:
+        effect = "the expert bias did NOT lower it on this run"
+    return (
+        f"load balancing: imbalance (max/mean tokens per expert, mean over the second half) "
+        f"{on:.2f} with the expert bias ({source}) vs {off:.2f} without ({other}), same seed: "
+        f"{effect}"
+    )
+
+
+def write_outputs(
+    out_dir: str,
+    runs: dict[str, list[StepRecord]],
+    summary: Summary,
+    config: DemoConfig,
+    meta: dict[str, object],
+) -> list[str]:
+    """Write ``metrics.json`` and, when matplotlib is importable, ``training.png``.
+
+    Returns the paths written.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    _ignore_in_git(out_dir)
+    metrics = {
+        "config": {**dataclasses.asdict(config), "model": _model_dict(config)},
+        **meta,
+        "summary": dataclasses.asdict(summary) | {"parity_tolerance": PARITY_TOLERANCE},
+        "steps": [dataclasses.asdict(r) for r in runs["distributed"]],
+        "reference": _curves(runs["reference"]),
+    }
+    if "comparison" in runs:
+        metrics["comparison"] = {"balance": not config.balance, **_curves(runs["comparison"])}
+    path = os.path.join(out_dir, "metrics.json")
+    with open(path, "w") as f:
+        json.dump(metrics, f, indent=1)
+    written = [path]
+    png = _plot(out_dir, runs, summary, config)
+    if png is not None:
+        written.append(png)
+    return written
+
+
+def _model_dict(config: DemoConfig) -> dict[str, object]:
+    model = dataclasses.asdict(config.model)
+    return model
+
+
+def _curves(records: list[StepRecord]) -> dict[str, list[float]]:
+    return {
+        "loss": [r.loss for r in records],
+        "grad_norm": [r.grad_norm for r in records],
+        "imbalance": [r.imbalance for r in records],
+    }
+
+
+def _ignore_in_git(out_dir: str) -> None:
+    """Keep the output directory out of ``git status`` (as ``.pytest_cache`` does)."""
+    path = os.path.join(out_dir, ".gitignore")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write("# written by python -m dtensor_moe.demo\n*\n")
+
+
+def _plot(
+    out_dir: str, runs: dict[str, list[StepRecord]], summary: Summary, config: DemoConfig
+) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    dist_run = runs["distributed"]
+    steps = [r.step for r in dist_run]
+    fig, (ax_loss, ax_imb, ax_load) = plt.subplots(
+        1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [1, 1, 1.4]}
+    )
+    ax_loss.plot(steps, [r.loss for r in dist_run], label=f"{config.world} processes", lw=2)
+    ax_loss.plot(steps, [r.loss for r in runs["reference"]], "--", label="single process")
+    ax_loss.axhline(summary.entropy_rate, color="gray", ls=":", label="entropy rate")
+    ax_loss.set(
+        xlabel="step",
+        ylabel="loss (nats/token)",
+        title=f"loss; max |diff| {summary.max_loss_diff:.1e}",
+    )
+    ax_loss.legend()
+    label = {True: "expert bias on", False: "expert bias off"}
+    ax_imb.plot(steps, [r.imbalance for r in dist_run], label=label[config.balance])
+    if "comparison" in runs:
+        ax_imb.plot(
+            steps, [r.imbalance for r in runs["comparison"]], label=label[not config.balance]
+        )
+    ax_imb.set(xlabel="step", ylabel="max / mean tokens per expert", title="load imbalance")
+    ax_imb.legend()
+    load = [[share for layer in r.expert_load for share in layer] for r in dist_run]
+    image = ax_load.imshow(
+        list(map(list, zip(*load, strict=True))),
+        aspect="auto",
+        interpolation="nearest",
+        extent=(0.5, len(steps) + 0.5, len(load[0]) - 0.5, -0.5),
+    )
+    experts = config.model.moe.num_experts
+    ax_load.set_yticks(
+        range(0, len(load[0]), experts), [f"layer {i}" for i in range(len(load[0]) // experts)]
+    )
+    ax_load.set(xlabel="step", title="share of routed tokens per expert")
+    fig.colorbar(image, ax=ax_load)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "training.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

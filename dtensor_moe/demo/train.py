@@ -1,0 +1,152 @@
+"""The training loop, shared by the distributed run and its single-process reruns.
+
+Shape legend:
+    B  sequences on this rank, L  tokens per sequence, V  vocabulary
+    M  MoE layers, E  routed experts per layer
+
+One step, on every rank (Note [Demo step]):
+
+1. draw the global batch of this step and keep this rank's data-parallel slice;
+2. forward, cross-entropy (mean over this rank's tokens), backward. FSDP2 averages the grads
+   over dp, so they are the grads of the mean loss over the global batch;
+3. ``dtensor_moe.clip_grad_norm_(model.parameters(), max_norm)``: one call, whatever meshes the
+   params live on; it returns the global norm before clipping;
+4. read the router counters (tokens per expert since the last step), summed over all ranks;
+5. one fused ``AdamW.step()`` over every param;
+6. ``update_expert_bias`` (aux-loss-free balancing) or, with ``--no-balance``, reset the
+   counters.
+
+The single-process rerun calls the same function with ``group=None``: same seed, same initial
+weights, same global batches, so its losses must match the distributed ones.
+"""
+
+# ruff: noqa: N803, N806, N812
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import dtensor_moe
+from dtensor_moe.demo.config import DemoConfig
+from dtensor_moe.demo.data import MarkovChain
+from dtensor_moe.demo.model import ModelConfig, MoETransformer
+from dtensor_moe.moe import TokenChoiceTopKRouter, update_expert_bias
+
+__all__ = ["StepRecord", "build_model", "run_single_process", "train"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepRecord:
+    """What one step reports (global values, equal on every rank)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    tokens_per_s: float
+    imbalance: float
+    expert_load: list[list[float]]  # (M, E): share of the routed tokens each expert received
+
+
+def build_model(config: ModelConfig, seed: int) -> MoETransformer:
+    """The model with the weights of ``seed``: the same in every process."""
+    torch.manual_seed(seed)
+    return MoETransformer(config)
+
+
+def _routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:
+    return [m for m in model.modules() if isinstance(m, TokenChoiceTopKRouter)]
+
+
+def _expert_counts(model: nn.Module, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Tokens routed to each expert of each layer this step, summed over ``group``: (M, E).
+
+    Without sequence parallelism the tp ranks route the same tokens, so the sum counts each
+    token ``tp`` times; shares and the max/mean ratio are unaffected.
+    """
+    counts_ME = torch.stack([r.tokens_per_expert for r in _routers(model)]).to(torch.float64)
+    if group is not None:
+        dist.all_reduce(counts_ME, group=group)
+    return counts_ME
+
+
+def _imbalance(counts_ME: torch.Tensor) -> float:
+    """Max over mean tokens per expert, averaged over layers (1.0 is perfectly balanced)."""
+    mean_M = counts_ME.mean(dim=-1).clamp_min(1e-12)
+    return float((counts_ME.max(dim=-1).values / mean_M).mean())
+
+
+def _global_mean(value: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+    value = value.detach().clone().to(torch.float64)
+    if group is not None:
+        dist.all_reduce(value, group=group)
+        value /= dist.get_world_size(group)
+    return float(value)
+
+
+def train(
+    model: nn.Module,
+    config: DemoConfig,
+    chain: MarkovChain,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    group: dist.ProcessGroup | None,
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> list[StepRecord]:
+    """Train ``model`` for ``config.steps`` steps; see Note [Demo step] in this module.
+
+    ``group`` is the process group of all ranks (``None`` in a single process): the loss and the
+    expert counters are reduced over it, and so is the expert-bias update.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, fused=True)
+    balance = any(router.expert_bias is not None for router in _routers(model))
+    local_batch = config.batch // dp_size
+    records = []
+    for step in range(config.steps):
+        start = time.perf_counter()
+        inputs_BL, targets_BL = chain.batch(step, config.batch, config.seq_len)
+        rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
+        logits_BLV = model(inputs_BL[rows])
+        loss = F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL[rows].flatten())
+        loss.backward()
+        grad_norm = dtensor_moe.clip_grad_norm_(model.parameters(), config.max_norm)
+        counts_ME = _expert_counts(model, group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if balance:
+            update_expert_bias(model, config.bias_rate, process_group=group)
+        else:
+            for router in _routers(model):
+                router.tokens_per_expert.zero_()
+        record = StepRecord(
+            step=step + 1,
+            loss=_global_mean(loss, group),
+            grad_norm=float(grad_norm),
+            tokens_per_s=config.tokens_per_step / (time.perf_counter() - start),
+            imbalance=_imbalance(counts_ME),
+            expert_load=(counts_ME / counts_ME.sum(dim=-1, keepdim=True)).tolist(),
+        )
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+    return records
+
+
+def run_single_process(
+    config: DemoConfig, chain: MarkovChain, *, balance: bool
+) -> list[StepRecord]:
+    """The same steps in this process alone, on plain tensors: the parity reference.
+
+    ``balance`` switches the expert bias on or off; the initial weights do not depend on it.
+    """
+    moe = dataclasses.replace(config.model.moe, use_expert_bias=balance)
+    model = build_model(dataclasses.replace(config.model, moe=moe), config.seed)
+    return train(model, config, chain, dp_rank=0, dp_size=1, group=None)

@@ -1,0 +1,156 @@
+"""The demo end to end: ``python -m dtensor_moe.demo`` and the same under torchrun.
+
+CI runs one small setting under ``torchrun --standalone --nproc-per-node 4`` (sequence length
+13, not divisible by tp=2), the plain launcher once with another layout, and the flag checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dtensor_moe.demo.config import LayoutError, build_parser, resolve_config
+from dtensor_moe.demo.report import PARITY_TOLERANCE
+
+SMALL = ["--steps", "6", "--batch", "4", "--seq-len", "13", "--layers", "1", "--dim", "32"]
+# Known bug: dtensor_moe.clip_grad_norm_ counts _StridedShard placements (FSDP2 on top of a
+# tp-sharded dim 0) as replicated, so under TP its norm is too small and, when clipping is
+# active, the distributed run clips differently from its rerun. --max-norm 10 keeps clipping
+# off in these runs; test_grad_norm_parity pins the bug. Drop both once clip_grad_norm_ is fixed.
+NO_CLIP = ["--max-norm", "10"]
+METRICS_KEYS = {"config", "layout", "entropy_rate", "summary", "steps", "reference", "wall_time_s"}
+STEP_KEYS = {"step", "loss", "grad_norm", "tokens_per_s", "imbalance", "expert_load"}
+
+
+def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def _check_metrics(out_dir: str, steps: int) -> dict:
+    with open(os.path.join(out_dir, "metrics.json")) as f:
+        metrics = json.load(f)
+    assert METRICS_KEYS <= metrics.keys()
+    assert len(metrics["steps"]) == steps and STEP_KEYS <= metrics["steps"][0].keys()
+    summary = metrics["summary"]
+    assert summary["routing_diverged_at"] is None, summary
+    assert summary["parity_ok"] and summary["max_loss_diff"] <= PARITY_TOLERANCE, summary
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def torchrun_metrics(tmp_path_factory) -> dict:
+    """One end-to-end run under ``torchrun --standalone --nproc-per-node 4`` (default layout)."""
+    out = str(tmp_path_factory.mktemp("demo") / "out")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "dtensor_moe.demo",
+        *SMALL,
+        *NO_CLIP,
+        "--out",
+        out,
+    ]
+    proc = _run(cmd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "-> OK" in proc.stdout and "load balancing:" in proc.stdout, proc.stdout
+    return _check_metrics(out, steps=6)
+
+
+def test_torchrun_four_processes(torchrun_metrics):
+    config = torchrun_metrics["config"]
+    assert (config["world"], config["dp"], config["tp"], config["sequence_parallel"]) == (
+        4,
+        2,
+        2,
+        True,
+    )
+    assert len(torchrun_metrics["layout"]) >= 2  # params on several meshes
+    assert len(torchrun_metrics["comparison"]["loss"]) == 6
+
+
+@pytest.mark.xfail(strict=True, reason="clip_grad_norm_ treats _StridedShard as Replicate")
+def test_grad_norm_parity(torchrun_metrics):
+    assert torchrun_metrics["summary"]["max_grad_norm_diff"] <= 1e-4
+
+
+def test_plain_launch_other_layout(tmp_path):
+    out = str(tmp_path / "out")
+    cmd = [
+        sys.executable,
+        "-m",
+        "dtensor_moe.demo",
+        "--nproc",
+        "2",
+        "--tp",
+        "2",
+        "--no-sp",
+        "--no-balance",
+        "--no-compare-balance",
+        *SMALL,
+        *NO_CLIP,
+        "--out",
+        out,
+    ]
+    proc = _run(cmd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = _check_metrics(out, steps=6)
+    assert metrics["config"]["sequence_parallel"] is False and "comparison" not in metrics
+
+
+def test_invalid_layout_stops_before_starting(tmp_path):
+    proc = _run(
+        [sys.executable, "-m", "dtensor_moe.demo", "--tp", "3", "--out", str(tmp_path)], timeout=60
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        (
+            "python -m dtensor_moe.demo: error: --tp 3 does not divide the 4 processes; "
+            "choose --tp in {1, 2, 4} and --dp = 4 // tp"
+        )
+    ]
+    assert proc.stdout == "" and not os.path.exists(tmp_path / "metrics.json")
+
+
+def _resolve(flags: list[str], world: int = 4):
+    return resolve_config(build_parser().parse_args(flags), world)
+
+
+@pytest.mark.parametrize(
+    ("flags", "world", "message"),
+    [
+        (["--dp", "4", "--tp", "2"], 4, r"--dp 4 x --tp 2 = 8, but there are 4 processes"),
+        (["--tp", "3"], 4, r"--tp 3 does not divide the 4 processes"),
+        (["--heads", "6", "--dim", "48", "--tp", "4"], 4, r"--heads 6 is not divisible by --tp 4"),
+        (["--experts", "6", "--ep", "4"], 4, r"--experts 6 is not divisible by --ep 4"),
+        (["--batch", "3"], 4, r"--batch 3 is not divisible by --dp 2"),
+        (["--vocab", "63"], 4, r"--vocab 63 is not divisible by --tp 2"),
+        (["--dim", "36", "--heads", "4"], 4, r"--dim 36 must be an even multiple of --heads 4"),
+        (["--top-k", "9"], 4, r"--top-k 9 exceeds --experts 8"),
+        (["--steps", "0"], 4, r"--steps must be >= 1, got 0"),
+    ],
+)
+def test_invalid_flags_messages(flags, world, message):
+    with pytest.raises(LayoutError, match=message):
+        _resolve(flags, world)
+
+
+def test_defaults():
+    config = _resolve([])
+    assert (config.world, config.dp, config.tp, config.sequence_parallel) == (4, 2, 2, True)
+    assert config.balance and config.model.moe.use_expert_bias
+    assert isinstance(build_parser().parse_args([]), argparse.Namespace)

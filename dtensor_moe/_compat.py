@@ -29,6 +29,7 @@ __all__ = [
     "locals_if_aligned",
     "replace_dtensor_storage",
     "spec_of",
+    "splits_tensor",
 ]
 
 OpHandler = Callable[[torch._ops.OpOverload, tuple, dict], Any]
@@ -218,3 +219,14 @@ def in_backward_pass() -> bool:
     It is ``-1`` outside a backward pass; torch's checkpoint code relies on the same call.
     """
     return torch._C._current_graph_task_id() != -1
+
+
+def splits_tensor(placement) -> bool:
+    """Whether ``placement`` splits the tensor across its mesh dim: ``Shard`` or ``_StridedShard``.
+
+    torch 2.13's ``_StridedShard`` (what FSDP2 uses on top of a tp-sharded dim 0) is neither a
+    ``Shard`` subclass nor ``is_shard()``, yet it partitions the elements like a shard.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.is_shard() or isinstance(placement, _StridedShard)

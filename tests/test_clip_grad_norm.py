@@ -13,6 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
@@ -30,6 +31,8 @@ GRAD_LAYOUT = [
     ("2d_s0_s1", "2d", (7, 6), (Shard(0), Shard(1))),
     ("2d_rep_s0_uneven", "2d", (9, 4), (Replicate(), Shard(0))),
     ("2d_partial_s1", "2d", (4, 6), (Partial(), Shard(1))),
+    # what FSDP2 makes of a tp-sharded dim 0: _StridedShard is not a Shard subclass in torch 2.13
+    ("2d_strided_s0", "2d", (8, 3), (_StridedShard(0, split_factor=2), Shard(0))),
     ("tp_s0_uneven", "tp", (7, 3), (Shard(0),)),
     ("tp_rep", "tp", (5,), (Replicate(),)),
     ("tp_partial_avg", "tp", (3, 3), (Partial("avg"),)),

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
-from dtensor_moe._compat import device_has_foreach_support, local_tensor
+from dtensor_moe._compat import device_has_foreach_support, local_tensor, splits_tensor
 
 __all__ = ["clip_grad_norm_"]
 
@@ -295,13 +295,13 @@ def _use_foreach(tensors: list[torch.Tensor], device: torch.device, foreach: boo
 def _mesh_fold(mesh: DeviceMesh, grads: list[DTensor], spec: _NormSpec) -> torch.Tensor:
     """The fold of ``grads`` over all of ``mesh``: all-reduce once per mesh dim that is sharded."""
     entries = _norm_entries(mesh, grads)
-    reduce_dims = sorted({d for _, pl in entries for d, p in enumerate(pl) if p.is_shard()})
+    reduce_dims = sorted({d for _, pl in entries for d, p in enumerate(pl) if splits_tensor(p)})
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "checked in _check_grads"
     owned = [
         local
         for local, placements in entries
-        if all(coordinate[d] == 0 or placements[d].is_shard() for d in reduce_dims)
+        if all(coordinate[d] == 0 or splits_tensor(placements[d]) for d in reduce_dims)
     ]
     fold = _fold(owned, spec)
     op = dist.ReduceOp.MAX if spec.is_inf else dist.ReduceOp.SUM

@@ -18,11 +18,6 @@ from dtensor_moe.demo.config import LayoutError, build_parser, resolve_config
 from dtensor_moe.demo.report import PARITY_TOLERANCE
 
 SMALL = ["--steps", "6", "--batch", "4", "--seq-len", "13", "--layers", "1", "--dim", "32"]
-# Known bug: dtensor_moe.clip_grad_norm_ counts _StridedShard placements (FSDP2 on top of a
-# tp-sharded dim 0) as replicated, so under TP its norm is too small and, when clipping is
-# active, the distributed run clips differently from its rerun. --max-norm 10 keeps clipping
-# off in these runs; test_grad_norm_parity pins the bug. Drop both once clip_grad_norm_ is fixed.
-NO_CLIP = ["--max-norm", "10"]
 METRICS_KEYS = {"config", "layout", "entropy_rate", "summary", "steps", "reference", "wall_time_s"}
 STEP_KEYS = {"step", "loss", "grad_norm", "tokens_per_s", "imbalance", "expert_load"}
 
@@ -44,6 +39,7 @@ def _check_metrics(out_dir: str, steps: int) -> dict:
     summary = metrics["summary"]
     assert summary["routing_diverged_at"] is None, summary
     assert summary["parity_ok"] and summary["max_loss_diff"] <= PARITY_TOLERANCE, summary
+    assert summary["max_grad_norm_diff"] <= 1e-4, summary  # clip_grad_norm_ across meshes
     return metrics
 
 
@@ -51,20 +47,8 @@ def _check_metrics(out_dir: str, steps: int) -> dict:
 def torchrun_metrics(tmp_path_factory) -> dict:
     """One end-to-end run under ``torchrun --standalone --nproc-per-node 4`` (default layout)."""
     out = str(tmp_path_factory.mktemp("demo") / "out")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        "-m",
-        "dtensor_moe.demo",
-        *SMALL,
-        *NO_CLIP,
-        "--out",
-        out,
-    ]
+    torchrun = "-m torch.distributed.run --standalone --nproc-per-node 4 -m dtensor_moe.demo"
+    cmd = [sys.executable, *torchrun.split(), *SMALL, "--out", out]
     proc = _run(cmd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "-> OK" in proc.stdout and "load balancing:" in proc.stdout, proc.stdout
@@ -73,39 +57,16 @@ def torchrun_metrics(tmp_path_factory) -> dict:
 
 def test_torchrun_four_processes(torchrun_metrics):
     config = torchrun_metrics["config"]
-    assert (config["world"], config["dp"], config["tp"], config["sequence_parallel"]) == (
-        4,
-        2,
-        2,
-        True,
-    )
+    layout = (config["world"], config["dp"], config["tp"], config["sequence_parallel"])
+    assert layout == (4, 2, 2, True)
     assert len(torchrun_metrics["layout"]) >= 2  # params on several meshes
     assert len(torchrun_metrics["comparison"]["loss"]) == 6
 
 
-@pytest.mark.xfail(strict=True, reason="clip_grad_norm_ treats _StridedShard as Replicate")
-def test_grad_norm_parity(torchrun_metrics):
-    assert torchrun_metrics["summary"]["max_grad_norm_diff"] <= 1e-4
-
-
 def test_plain_launch_other_layout(tmp_path):
     out = str(tmp_path / "out")
-    cmd = [
-        sys.executable,
-        "-m",
-        "dtensor_moe.demo",
-        "--nproc",
-        "2",
-        "--tp",
-        "2",
-        "--no-sp",
-        "--no-balance",
-        "--no-compare-balance",
-        *SMALL,
-        *NO_CLIP,
-        "--out",
-        out,
-    ]
+    flags = "--nproc 2 --tp 2 --no-sp --no-balance --no-compare-balance".split()
+    cmd = [sys.executable, "-m", "dtensor_moe.demo", *flags, *SMALL, "--out", out]
     proc = _run(cmd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = _check_metrics(out, steps=6)

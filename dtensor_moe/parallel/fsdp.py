@@ -18,6 +18,12 @@ over ``edp = world / (ep * etp)`` ranks while its gradients already sum the toke
 ranks that the all-to-all gathered. So the expert groups divide by ``dp`` instead
 (``set_gradient_divide_factor``), which makes their gradients the exact global mean.
 
+On CPU (gloo) the expert groups also set ``set_force_sum_reduction_for_comms(True)``: a custom
+divide factor makes FSDP2 use ``ReduceOp.PREMUL_SUM``, which gloo does not implement. Except
+when ``edp == 1``: FSDP2 then runs no collective and divides once, but with a forced SUM it
+divides a second time (torch 2.13). ``tests/test_fsdp_moe.py`` keeps tests for both torch
+behaviours.
+
 Small expert counts. When ``edp`` exceeds the number of experts each rank holds after EP, a
 ``Shard(0)`` on the expert dim would leave FSDP ranks without a whole expert; the expert
 weights then shard on dim 1 (the hidden dim of ``w1``/``w3``, the model dim of ``w2``).
@@ -123,6 +129,12 @@ def fully_shard_moe(
             **kwargs,
         )
         moe.experts.set_gradient_divide_factor(float(meshes.dp))
+        if meshes.expert.device_type == "cpu" and meshes.edp > 1:
+            # Note [Gloo and divide factors]: with a divide factor other than the group size,
+            # FSDP2 reduce-scatters with ReduceOp.PREMUL_SUM, which gloo rejects; plain SUM and
+            # a separate division give the same result. Not on a 1-rank group: there torch 2.13
+            # skips the collective, divides once, then divides again after a forced SUM.
+            moe.experts.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, mesh=meshes.dense["dp"], **kwargs)
     fully_shard(model, mesh=meshes.dense["dp"], **kwargs)

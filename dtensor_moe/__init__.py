@@ -7,14 +7,25 @@ SGD, Adagrad; in-place, out-of-place, ``tensor_lr`` and ``.out`` overloads) and 
 
 from dtensor_moe.moe import MoE, MoEConfig
 from dtensor_moe.optim import clip_grad_norm_, register_strategies
-from dtensor_moe.parallel import MoEMeshes, build_moe_meshes
+from dtensor_moe.parallel import (
+    ExpertParallel,
+    ExpertTensorParallel,
+    MoEMeshes,
+    PrepareMoEInput,
+    build_moe_meshes,
+    parallelize_moe,
+)
 
 __all__ = [
+    "ExpertParallel",
+    "ExpertTensorParallel",
     "MoE",
     "MoEConfig",
     "MoEMeshes",
+    "PrepareMoEInput",
     "build_moe_meshes",
     "clip_grad_norm_",
+    "parallelize_moe",
     "register_strategies",
 ]
 

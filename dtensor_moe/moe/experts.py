@@ -19,6 +19,16 @@ Note [Grouped experts on local weights]: :func:`grouped_swiglu` is a pure functi
 tensors. :class:`GroupedExperts` calls it from :meth:`GroupedExperts.compute`, the single place a
 parallel style wraps (for example with ``torch.distributed.tensor.experimental.local_map``) to
 turn ``Shard(0)`` DTensor weights into the local ``e`` experts.
+
+Note [Expert weights as DTensors]: a parallel style may turn ``w1``/``w2``/``w3`` into DTensors;
+:meth:`GroupedExperts.compute` then runs on their local shards (:func:`local_expert_weight`).
+The gradient placements are derived from the weight's own placements, never written per call:
+on a mesh dim where the weight is sharded (``Shard(0)`` over experts, ``Shard(1)``/``Shard(2)``
+over the hidden dim), the local gradient is the whole gradient of the local shard, because
+every routed row that uses the shard reaches it (through the dispatcher's exchange, or because
+the tokens are the same on every rank of that dim); so the gradient keeps the placement. On a
+mesh dim where the weight is ``Replicate``, the ranks route different tokens, so the local
+gradient is a partial sum over that dim: ``Partial``. A ``Partial`` weight is an error.
 """
 
 # ruff: noqa: N803, N806, N812
@@ -31,11 +41,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from dtensor_moe.moe.config import ComputePath
 from dtensor_moe.moe.dispatch import TokenDispatcher
 
-__all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "resolve_compute_path"]
+__all__ = [
+    "GroupedExperts",
+    "SharedExperts",
+    "grouped_swiglu",
+    "local_expert_weight",
+    "resolve_compute_path",
+    "swiglu_mlp",
+]
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -183,6 +201,22 @@ def _host_counts(counts_e: torch.Tensor | Sequence[int], path: ComputePath) -> l
     return counts_e.tolist()
 
 
+def local_expert_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w`` itself, or the local shard of a DTensor ``w`` with derived gradient placements.
+
+    See Note [Expert weights as DTensors]. No collective runs in forward or in backward.
+    """
+    if not isinstance(w, DTensor):
+        return w
+    if any(p.is_partial() for p in w.placements):
+        raise ValueError(
+            f"routed expert weights must be Shard or Replicate DTensors, got {w.placements}; "
+            "redistribute the weight or re-apply the parallel style"
+        )
+    grad_placements = [Partial() if p.is_replicate() else p for p in w.placements]
+    return w.to_local(grad_placements=grad_placements)
+
+
 class GroupedExperts(nn.Module):
     """Routed SwiGLU experts with stacked weights and the token dispatcher that feeds them.
 
@@ -238,8 +272,12 @@ class GroupedExperts(nn.Module):
         return self.dispatcher.combine(out_RD, metadata)
 
     def compute(self, routed_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
-        """Expert math on the routed buffer; see Note [Grouped experts on local weights]."""
-        return grouped_swiglu(routed_RD, self.w1, self.w2, self.w3, counts_e, self.compute_path)
+        """Expert math on the routed buffer; see Note [Grouped experts on local weights].
+
+        DTensor weights are used through their local shards (Note [Expert weights as DTensors]).
+        """
+        w1, w2, w3 = (local_expert_weight(w) for w in (self.w1, self.w2, self.w3))
+        return grouped_swiglu(routed_RD, w1, w2, w3, counts_e, self.compute_path)
 
     def extra_repr(self) -> str:
         E, H, D = self.w1.shape
@@ -269,4 +307,11 @@ class SharedExperts(nn.Module):
             nn.init.normal_(lin.weight, std=self.init_std)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
+        return swiglu_mlp(x_TD, self.w1.weight, self.w2.weight, self.w3.weight)
+
+
+def swiglu_mlp(
+    x_TD: torch.Tensor, w1_HD: torch.Tensor, w2_DH: torch.Tensor, w3_HD: torch.Tensor
+) -> torch.Tensor:
+    """``(silu(x @ w1.T) * (x @ w3.T)) @ w2.T``: the shared-expert math on given weights."""
+    return F.linear(F.silu(F.linear(x_TD, w1_HD)) * F.linear(x_TD, w3_HD), w2_DH)

@@ -16,6 +16,8 @@ Data flow (one rank)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -42,7 +44,15 @@ class MoE(nn.Module):
 
     No collective runs in forward or backward of the single-process layer; parallel styles add
     them through the dispatcher and the DTensor weights.
+
+    Note [Parallel forward hook]: ``parallel_forward`` is ``None`` unless a parallel style that
+    changes how tokens reach the layer (tensor or sequence parallelism, see
+    ``dtensor_moe.parallel.PrepareMoEInput``) sets it, once, when it is applied. It is then
+    called as ``parallel_forward(moe, x)`` instead of the single-process body. It is
+    configuration, like ``experts.dispatcher``: nothing writes it during a forward.
     """
+
+    parallel_forward: Callable[[MoE, torch.Tensor], torch.Tensor] | None
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -68,8 +78,11 @@ class MoE(nn.Module):
             self.shared_experts = SharedExperts(
                 dim=config.dim, hidden_dim=config.shared_hidden_total, init_std=config.init_std
             )
+        self.parallel_forward = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel_forward is not None:
+            return self.parallel_forward(self, x)
         self._check_input(x)
         B, L, D = x.shape
         x_TD = x.reshape(B * L, D)

@@ -22,7 +22,13 @@ from torch import nn
 from dtensor_moe import _compat
 from dtensor_moe.moe.config import MoEConfig
 
-__all__ = ["RouterOutput", "TokenChoiceTopKRouter", "sequence_aux_loss"]
+__all__ = [
+    "RouterOutput",
+    "TokenChoiceTopKRouter",
+    "aux_loss_from_sums",
+    "sequence_aux_loss",
+    "sequence_sums",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +77,55 @@ def _limit_to_top_groups(
     return select_TGS.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
 
+def sequence_sums(
+    aux_scores_TE: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    sequence_T: torch.Tensor,
+    num_sequences: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence statistics of the auxiliary loss over the given tokens.
+
+    Args:
+        aux_scores_TE: per-token normalised scores (see :func:`sequence_aux_loss`).
+        topk_ids_TK: selected experts of each token.
+        sequence_T: index in ``[0, B)`` of the sequence each token belongs to (int64).
+        num_sequences: ``B``.
+
+    Returns:
+        ``(hits_BE, sums_BE)``: counts of (token, expert) selections per sequence (a constant)
+        and the differentiable sums of the scores per sequence, both as one matmul with the
+        token-to-sequence membership (deterministic, no scatter-add). Both are sums over tokens,
+        so statistics of disjoint token sets add up: a parallel layer sums them over the ranks
+        that split the tokens of a sequence.
+    """
+    member_TB = (
+        sequence_T.unsqueeze(1) == torch.arange(num_sequences, device=sequence_T.device)
+    ).to(aux_scores_TE.dtype)
+    selected_TE = torch.zeros_like(aux_scores_TE, dtype=member_TB.dtype).scatter_(
+        1, topk_ids_TK, 1.0
+    )
+    hits_BE = member_TB.T @ selected_TE
+    sums_BE = member_TB.T @ aux_scores_TE
+    return hits_BE, sums_BE
+
+
+def aux_loss_from_sums(
+    hits_BE: torch.Tensor, sums_BE: torch.Tensor, *, seq_len: int, top_k: int, coeff: float
+) -> torch.Tensor:
+    """``coeff * mean_b sum_e f_be * P_be`` from per-sequence sums (DeepSeek-V3 style).
+
+    ``f_be = E / (K * L) * hits_be`` is a constant and ``P_be = sums_be / L``; the loss is
+    linear in ``sums_BE``, so the loss of a token subset with the *global* ``hits_BE`` is that
+    subset's share of the loss, and the shares add up to the loss. This is the one formula of
+    the loss; see :func:`sequence_sums`.
+    """
+    B, E = sums_BE.shape
+    if B * seq_len == 0:
+        return sums_BE.sum() * 0.0
+    scale = coeff * E / (top_k * seq_len * seq_len * B)
+    return (hits_BE * sums_BE).sum() * scale
+
+
 def sequence_aux_loss(
     scores_TE: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -86,18 +141,15 @@ def sequence_aux_loss(
     (softmax output, or sigmoid scores divided by their sum). Tokens are laid out sequence by
     sequence: ``T == num_sequences * L``.
     """
-    T, E = scores_TE.shape
-    K = topk_ids_TK.shape[-1]
-    if T == 0:
-        return scores_TE.sum() * 0.0
+    T = scores_TE.shape[0]
     L = T // num_sequences
-    P_BE = scores_TE.view(num_sequences, L, E).mean(dim=1)
-    ids_BX = topk_ids_TK.reshape(num_sequences, L * K)
-    hits_BE = torch.zeros_like(P_BE).scatter_add_(
-        1, ids_BX, torch.ones_like(ids_BX, dtype=P_BE.dtype)
+    sequence_T = torch.div(
+        torch.arange(T, device=scores_TE.device), max(L, 1), rounding_mode="floor"
     )
-    f_BE = hits_BE * (E / (K * L))
-    return coeff * (f_BE * P_BE).sum(dim=-1).mean()
+    hits_BE, sums_BE = sequence_sums(scores_TE, topk_ids_TK, sequence_T, num_sequences)
+    return aux_loss_from_sums(
+        hits_BE, sums_BE, seq_len=L, top_k=topk_ids_TK.shape[-1], coeff=coeff
+    )
 
 
 class TokenChoiceTopKRouter(nn.Module):
@@ -132,28 +184,77 @@ class TokenChoiceTopKRouter(nn.Module):
         nn.init.normal_(self.gate.weight, std=self.config.init_std)
 
     def forward(self, x_TD: torch.Tensor, *, num_sequences: int = 1) -> RouterOutput:
-        """Route ``x_TD``, whose ``T`` tokens are ``num_sequences`` sequences laid end to end."""
+        """Route ``x_TD``, whose ``T`` tokens are ``num_sequences`` sequences laid end to end.
+
+        The steps are public so that a parallel layer can run them on its own token split:
+        ``gate`` -> :meth:`scores` -> :meth:`select` -> :meth:`combine_weights`, the counter
+        (:meth:`count_tokens`) and the auxiliary loss (:meth:`aux_scores`,
+        :func:`sequence_sums`, :func:`aux_loss_from_sums`).
+        """
         cfg = self.config
         self._check_input(x_TD, num_sequences)
-        scores_TE = self._scores(x_TD)
-        topk_ids_TK = self._select(scores_TE)
-        topk_scores_TK = scores_TE.gather(-1, topk_ids_TK)
-        if cfg.route_norm:
-            topk_scores_TK = topk_scores_TK / (topk_scores_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        topk_scores_TK = topk_scores_TK * cfg.route_scale
+        scores_TE = self.scores(self.gate(x_TD))
+        topk_ids_TK = self.select(scores_TE)
+        topk_scores_TK = self.combine_weights(scores_TE, topk_ids_TK)
         counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
         aux_loss = None
         if self.training and cfg.aux_loss_coeff > 0:
-            aux_loss = self._aux_loss(scores_TE, topk_ids_TK, num_sequences)
-        if self.training and not _in_backward_pass():
-            with torch.no_grad():
-                self.tokens_per_expert.add_(counts_E)
+            aux_loss = sequence_aux_loss(
+                self.aux_scores(scores_TE),
+                topk_ids_TK,
+                num_sequences=num_sequences,
+                coeff=cfg.aux_loss_coeff,
+            )
+            self.last_aux_loss = aux_loss.detach()
+        self.count_tokens(counts_E)
         return RouterOutput(
             topk_scores_TK=topk_scores_TK.to(x_TD.dtype),
             topk_ids_TK=topk_ids_TK,
             counts_E=counts_E,
             aux_loss=aux_loss,
         )
+
+    def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """``softmax`` or ``sigmoid`` of the gate logits, in float32."""
+        logits_TE = logits_TE.float()
+        if self.config.score_func == "softmax":
+            return F.softmax(logits_TE, dim=-1)
+        return torch.sigmoid(logits_TE)
+
+    def select(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """Expert ids of each token: top-k of the (biased, group-limited) detached scores."""
+        cfg = self.config
+        select_TE = scores_TE.detach()
+        if self.expert_bias is not None:
+            select_TE = select_TE + self.expert_bias
+        if cfg.num_expert_groups is not None and cfg.num_limited_groups < cfg.num_expert_groups:
+            select_TE = _limit_to_top_groups(
+                select_TE, cfg.num_expert_groups, cfg.num_limited_groups
+            )
+        return select_TE.topk(cfg.top_k, dim=-1).indices
+
+    def combine_weights(self, scores_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> torch.Tensor:
+        """The unbiased scores of the selected experts, renormalised and scaled (float32)."""
+        cfg = self.config
+        topk_scores_TK = scores_TE.gather(-1, topk_ids_TK)
+        if cfg.route_norm:
+            topk_scores_TK = topk_scores_TK / (topk_scores_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_scores_TK * cfg.route_scale
+
+    def aux_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """Per-token normalised scores for the auxiliary loss (sigmoid scores sum to 1)."""
+        if self.config.score_func == "sigmoid":
+            return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores_TE
+
+    def count_tokens(self, counts_E: torch.Tensor) -> None:
+        """Add ``counts_E`` to ``tokens_per_expert`` in training mode, except during recompute.
+
+        See Note [Counting under activation checkpointing].
+        """
+        if self.training and not _in_backward_pass():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts_E)
 
     def _check_input(self, x_TD: torch.Tensor, num_sequences: int) -> None:
         if x_TD.dim() != 2 or x_TD.shape[-1] != self.config.dim:
@@ -166,35 +267,6 @@ class TokenChoiceTopKRouter(nn.Module):
                 f"the router got {x_TD.shape[0]} tokens, not divisible into "
                 f"num_sequences={num_sequences} sequences of equal length"
             )
-
-    def _scores(self, x_TD: torch.Tensor) -> torch.Tensor:
-        logits_TE = self.gate(x_TD).float()
-        if self.config.score_func == "softmax":
-            return F.softmax(logits_TE, dim=-1)
-        return torch.sigmoid(logits_TE)
-
-    def _select(self, scores_TE: torch.Tensor) -> torch.Tensor:
-        """Expert ids of each token: top-k of the (biased, group-limited) detached scores."""
-        cfg = self.config
-        select_TE = scores_TE.detach()
-        if self.expert_bias is not None:
-            select_TE = select_TE + self.expert_bias
-        if cfg.num_expert_groups is not None and cfg.num_limited_groups < cfg.num_expert_groups:
-            select_TE = _limit_to_top_groups(
-                select_TE, cfg.num_expert_groups, cfg.num_limited_groups
-            )
-        return select_TE.topk(cfg.top_k, dim=-1).indices
-
-    def _aux_loss(
-        self, scores_TE: torch.Tensor, topk_ids_TK: torch.Tensor, num_sequences: int
-    ) -> torch.Tensor:
-        if self.config.score_func == "sigmoid":
-            scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
-        aux_loss = sequence_aux_loss(
-            scores_TE, topk_ids_TK, num_sequences=num_sequences, coeff=self.config.aux_loss_coeff
-        )
-        self.last_aux_loss = aux_loss.detach()
-        return aux_loss
 
     def extra_repr(self) -> str:
         cfg = self.config

@@ -3,12 +3,23 @@
 See ``docs/parallelism.md``.
 """
 
+from dtensor_moe.parallel.dispatch import AllToAllMetadata, AllToAllTokenDispatcher
 from dtensor_moe.parallel.mesh import MoEMeshes, build_moe_meshes
 from dtensor_moe.parallel.padding import ShardDim, TokenShardMeta
+from dtensor_moe.parallel.plan import parallelize_moe
+from dtensor_moe.parallel.style import ExpertParallel, ExpertTensorParallel, PrepareMoEInput
+from dtensor_moe.parallel.token_parallel import TokenParallelForward
 
 __all__ = [
+    "AllToAllMetadata",
+    "AllToAllTokenDispatcher",
+    "ExpertParallel",
+    "ExpertTensorParallel",
     "MoEMeshes",
+    "PrepareMoEInput",
     "ShardDim",
+    "TokenParallelForward",
     "TokenShardMeta",
     "build_moe_meshes",
+    "parallelize_moe",
 ]

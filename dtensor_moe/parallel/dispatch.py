@@ -1,0 +1,189 @@
+"""The expert-parallel token dispatcher: count exchange, then variable-split all-to-all.
+
+Shape legend:
+    T  tokens routed by this rank
+    D  model width
+    E  routed experts (global count); e  experts held by this rank (``E // ep``)
+    K  experts per token
+    N  (token, expert) pairs this rank sends, ``T * K``, sorted by global expert
+    M  rows this rank receives from all EP ranks, grouped by source rank, then local expert
+    R  rows of the routed buffer: the ``M`` rows grouped by local expert, alignment padding
+       included
+    P  ranks of the EP group (``ep``)
+
+Note [All-to-all dispatch]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Experts are ``Shard(0)`` over the EP group: rank ``p`` holds global experts
+``[p * e, (p + 1) * e)``. Following Note [Dispatcher steps] in ``dtensor_moe/moe/dispatch.py``:
+
+1. Sort the ``N`` pairs by *global* expert without padding and gather the tokens (one row per
+   pair). Rows for rank ``p`` are then contiguous, and inside them the rows of each expert.
+2. Count exchange: ``all_to_all_single`` of ``counts_E`` with equal splits of ``e``. Rank ``p``
+   receives ``counts_Pe[s, j]``: rows source ``s`` sends to its ``j``-th local expert. Every
+   rank sends ``E`` counts, so sizes always agree, even when a rank routes zero tokens.
+3. Token exchange: ``all_to_all_single_autograd`` with ``input_splits = counts_E.view(P, e)
+   .sum(1)`` and ``output_splits = counts_Pe.sum(1)``. The split sizes are read on the host
+   (one sync). Its backward is the reverse exchange.
+4. Sort the ``M`` received rows by local expert, now with alignment padding, by calling
+   ``sort_by_expert`` again on their ``(M, 1)`` local expert ids.
+
+Combine is the reverse: un-sort the ``R`` rows back to the ``M`` received order (the shared
+tail ``unpermute_and_reduce`` with ``K = 1``), all-to-all them back with the splits swapped, and
+weight and sum each token's ``K`` rows (the shared tail again). Every per-forward value lives in
+:class:`AllToAllMetadata`; the dispatcher holds only its configuration.
+
+Collectives, on the EP group, every rank the same, sizes agreeing by construction:
+forward ``all_to_all_single`` x 3 (counts, tokens, outputs), backward ``all_to_all_single`` x 2
+(output grads, token grads). All are functional collectives, so ``CommDebugMode`` sees them.
+"""
+
+# ruff: noqa: N803, N806, N815
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial
+
+from dtensor_moe.moe.dispatch import (
+    DispatchMetadata,
+    TokenDispatcher,
+    permute_tokens,
+    scores_in_rows,
+    sort_by_expert,
+    unpermute_and_reduce,
+)
+
+__all__ = ["AllToAllMetadata", "AllToAllTokenDispatcher"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AllToAllMetadata(DispatchMetadata):
+    """What :meth:`AllToAllTokenDispatcher.combine` needs; see Note [All-to-all dispatch].
+
+    Attributes:
+        row_TK: row of pair ``(t, k)`` among the ``N`` rows this rank sent.
+        scores_TK: combine weights, or ``None`` (``score_before_experts``).
+        input_splits: rows sent to each EP rank.
+        output_splits: rows received from each EP rank.
+        received_row_M1: routed-buffer row of each received row, shape ``(M, 1)``.
+    """
+
+    input_splits: tuple[int, ...]
+    output_splits: tuple[int, ...]
+    received_row_M1: torch.Tensor
+
+
+class AllToAllTokenDispatcher(TokenDispatcher):
+    """Expert-parallel dispatch and combine over a 1-D EP mesh; see Note [All-to-all dispatch].
+
+    Keyword Args:
+        num_experts: ``E``, routed experts in the whole layer (divisible by the EP size).
+        ep_mesh: 1-D mesh whose ranks hold ``E // ep`` experts each, in rank order; ``None``
+            means no exchange (all experts local), as for expert tensor parallelism alone.
+        partial_mesh: 1-D mesh over which the expert outputs are partial sums (expert tensor
+            parallelism); :meth:`combine` then returns a ``Partial`` DTensor on it, so that a
+            missing reduction cannot go unnoticed. ``None``: a plain tensor.
+        pad_multiple: align each local expert's row group to this multiple.
+        score_before_experts: scale rows by their score before the experts.
+
+    Forward: ``all_to_all_single`` x 3 on ``ep_mesh`` (counts, tokens, outputs); backward:
+    ``all_to_all_single`` x 2. No collective when ``ep_mesh`` is ``None``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        ep_mesh: DeviceMesh | None,
+        partial_mesh: DeviceMesh | None = None,
+        pad_multiple: int = 1,
+        score_before_experts: bool = False,
+    ) -> None:
+        super().__init__(
+            num_experts=num_experts,
+            pad_multiple=pad_multiple,
+            score_before_experts=score_before_experts,
+        )
+        for name, mesh in (("ep_mesh", ep_mesh), ("partial_mesh", partial_mesh)):
+            if mesh is not None and mesh.ndim != 1:
+                raise ValueError(f"{name} must be a 1-D DeviceMesh, got a {mesh.ndim}-D mesh")
+        ep = 1 if ep_mesh is None else ep_mesh.size()
+        if num_experts % ep != 0:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the expert-parallel degree "
+                f"ep={ep}; choose ep among the divisors of num_experts"
+            )
+        self.ep_mesh = ep_mesh
+        self.partial_mesh = partial_mesh
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.ep_mesh is None else self.ep_mesh.size()
+
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        counts_E: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchMetadata]:
+        """Send each (token, expert) row to the rank holding the expert; see the module Note."""
+        if self.ep_mesh is None:
+            return super().dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        P, e = self.ep_size, self.num_experts // self.ep_size
+        layout = sort_by_expert(topk_ids_TK, counts_E)
+        sent_ND = permute_tokens(x_TD, layout)
+        scores_TK = topk_scores_TK
+        if self.score_before_experts:
+            sent_ND = sent_ND * scores_in_rows(topk_scores_TK, layout).unsqueeze(-1)
+            scores_TK = None
+        counts_Pe = funcol.all_to_all_single(counts_E, None, None, self.ep_mesh).view(P, e)
+        input_splits = counts_E.view(P, e).sum(1).tolist()
+        output_splits = counts_Pe.sum(1).tolist()
+        received_MD = funcol.all_to_all_single_autograd(
+            sent_ND, output_splits, input_splits, self.ep_mesh
+        )
+        local_ids_M = torch.repeat_interleave(
+            torch.arange(e, device=counts_E.device).repeat(P), counts_Pe.reshape(-1)
+        )
+        local = sort_by_expert(
+            local_ids_M.unsqueeze(1), counts_Pe.sum(0), pad_multiple=self.pad_multiple
+        )
+        metadata = AllToAllMetadata(
+            row_TK=layout.row_TK,
+            scores_TK=scores_TK,
+            input_splits=tuple(input_splits),
+            output_splits=tuple(output_splits),
+            received_row_M1=local.row_TK,
+        )
+        return permute_tokens(received_MD, local), local.counts_e, metadata
+
+    def combine(self, out_RD: torch.Tensor, metadata: DispatchMetadata) -> torch.Tensor:
+        """Send expert outputs back and reduce each token's ``K`` rows (``y_TD``)."""
+        if self.ep_mesh is None:
+            y_TD = super().combine(out_RD, metadata)
+        else:
+            assert isinstance(metadata, AllToAllMetadata), f"got {type(metadata).__name__}"
+            received_MD = unpermute_and_reduce(out_RD, metadata.received_row_M1, None)
+            returned_ND = funcol.all_to_all_single_autograd(
+                received_MD,
+                list(metadata.input_splits),
+                list(metadata.output_splits),
+                self.ep_mesh,
+            )
+            y_TD = unpermute_and_reduce(returned_ND, metadata.row_TK, metadata.scores_TK)
+        if self.partial_mesh is None:
+            return y_TD
+        return DTensor.from_local(y_TD, self.partial_mesh, [Partial()], run_check=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_experts={self.num_experts}, ep={self.ep_size}, "
+            f"partial={self.partial_mesh is not None}, pad_multiple={self.pad_multiple}, "
+            f"score_before_experts={self.score_before_experts})"
+        )

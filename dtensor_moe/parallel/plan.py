@@ -1,0 +1,69 @@
+"""``parallelize_moe``: the whole MoE plan of a model from its :class:`MoEMeshes`.
+
+Note [MoE plan]
+~~~~~~~~~~~~~~~
+For every :class:`~dtensor_moe.moe.MoE` in the model (see ``docs/parallelism.md``):
+
+==========================  ===============================  =================================
+meshes                       experts                          MoE input (tp > 1)
+==========================  ===============================  =================================
+``tp == 1, ep > 1``          ExpertParallel on ``ep``         plain tensors ("dp2ep")
+``tp > 1, expert_tp=False``  ExpertParallel on ``ep``         PrepareMoEInput(routing="split")
+``tp > 1, expert_tp=True``   ExpertTensorParallel on          PrepareMoEInput(routing=
+                             ``("ep", "etp")``                "replicate")
+``tp == 1, ep == 1``         nothing (data parallel only)     plain tensors
+==========================  ===============================  =================================
+
+``input_layout`` is ``Shard(1)`` with ``sequence_parallel=True`` and ``Replicate()`` otherwise.
+Data parallelism (the ``dp`` dim of the dense mesh and ``edp`` of the expert mesh) is left to
+FSDP2 / DDP.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from dtensor_moe.moe.layer import MoE
+from dtensor_moe.parallel.mesh import MoEMeshes
+from dtensor_moe.parallel.style import ExpertParallel, ExpertTensorParallel, PrepareMoEInput
+
+__all__ = ["parallelize_moe"]
+
+
+def parallelize_moe(model: nn.Module, meshes: MoEMeshes, *, sequence_parallel: bool) -> nn.Module:
+    """Apply the MoE styles of Note [MoE plan] to every :class:`MoE` in ``model`` (in place).
+
+    Keyword Args:
+        sequence_parallel: the MoE inputs are ``Shard(1)`` DTensors on ``meshes.dense["tp"]``
+            (``True``) or replicated over tp (``False``: ``Replicate()`` DTensors or plain
+            tensors). Ignored when ``tp == 1``.
+
+    Returns:
+        ``model``. Collectives: each style's apply-time config check and weight distribution.
+
+    Raises:
+        TypeError: ``meshes`` is not an :class:`MoEMeshes`.
+        ValueError: ``model`` holds no MoE layer, or a style rejects a layer (see the styles).
+    """
+    if not isinstance(meshes, MoEMeshes):
+        raise TypeError(
+            f"parallelize_moe expects MoEMeshes from build_moe_meshes, got {type(meshes).__name__}"
+        )
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError(f"parallelize_moe found no MoE layer in {type(model).__name__}")
+    expert_tp = meshes.expert_tp and meshes.tp > 1
+    for moe in layers:
+        if expert_tp:
+            parallelize_module(moe.experts, meshes.expert["ep", "etp"], ExpertTensorParallel())
+        elif meshes.ep > 1:
+            parallelize_module(moe.experts, meshes.expert["ep"], ExpertParallel())
+        if meshes.tp > 1:
+            style = PrepareMoEInput(
+                input_layout=Shard(1) if sequence_parallel else Replicate(),
+                routing="replicate" if expert_tp else "split",
+            )
+            parallelize_module(moe, meshes.dense["tp"], style)
+    return model

@@ -1,0 +1,317 @@
+"""ParallelStyles for the MoE layer: ExpertParallel, ExpertTensorParallel, PrepareMoEInput.
+
+Use them with ``torch.distributed.tensor.parallel.parallelize_module``, or let
+:func:`~dtensor_moe.parallel.parallelize_moe` build the plan. ``docs/parallelism.md`` lists the
+placements at every boundary and how each gradient is reduced.
+
+Note [Style application]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A style's configuration is settled in ``__init__`` and never changed by ``_apply``. ``_apply``
+runs, on every rank of the mesh:
+
+1. checks that need no other rank (the module type, the mesh's number of dims), which are the
+   same on every rank;
+2. one ``all_gather_object`` per mesh dim of ``(fingerprint, error)``: the layer's configuration
+   and the result of this rank's own checks (for example ``num_experts % ep``). Every rank
+   then holds every rank's pair and raises the same ``ValueError``, the first rank's error or
+   a config mismatch, before any other collective, so no rank can hang waiting for one that
+   raised;
+3. distributes the weights (``distribute_tensor``: a scatter or broadcast from the mesh's first
+   rank) and installs the dispatcher or the layer's ``parallel_forward``.
+
+No style keeps per-forward state: everything one forward needs is in the dispatcher's metadata
+or local variables, so the layer works under activation-checkpoint recompute and with several
+micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from dtensor_moe.moe.experts import GroupedExperts
+from dtensor_moe.moe.layer import MoE
+from dtensor_moe.parallel.dispatch import AllToAllTokenDispatcher
+from dtensor_moe.parallel.token_parallel import (
+    INPUT_LAYOUTS,
+    ROUTINGS,
+    Routing,
+    TokenParallelForward,
+)
+
+__all__ = ["ExpertParallel", "ExpertTensorParallel", "PrepareMoEInput"]
+
+
+def _gather_over_mesh(value: Any, mesh: DeviceMesh) -> list[Any]:
+    """Every rank's ``value``, in mesh order, on every rank (one all_gather_object per dim)."""
+    values = [value]
+    for dim in range(mesh.ndim):
+        gathered: list[Any] = [None] * mesh.size(dim)
+        dist.all_gather_object(gathered, values, group=mesh.get_group(dim))
+        values = [v for part in gathered for v in part]
+    return values
+
+
+def _agree_or_raise(mesh: DeviceMesh, what: str, fingerprint: Any, error: str | None) -> None:
+    """Step 2 of Note [Style application]: the same error on every rank, or none."""
+    pairs = _gather_over_mesh((fingerprint, error), mesh)
+    errors = [e for _, e in pairs if e is not None]
+    if errors:
+        raise ValueError(errors[0])
+    fingerprints = [f for f, _ in pairs]
+    if any(f != fingerprints[0] for f in fingerprints):
+        ranks = mesh.mesh.flatten().tolist() if mesh.ndim > 1 else mesh.mesh.tolist()
+        differing = {r: f for r, f in zip(ranks, fingerprints) if f != fingerprints[0]}
+        raise ValueError(
+            f"{what} differs across the ranks of {mesh}: rank {ranks[0]} has "
+            f"{fingerprints[0]}, but {differing}; build the same layer on every rank"
+        )
+
+
+def _distribute_param(
+    module: nn.Module, name: str, mesh: DeviceMesh, placements: Sequence[Placement]
+) -> None:
+    param = getattr(module, name)
+    dparam = nn.Parameter(
+        distribute_tensor(param.data, mesh, list(placements)), param.requires_grad
+    )
+    module.register_parameter(name, dparam)
+
+
+def _check_module(module: nn.Module, cls: type, style: str) -> None:
+    if not isinstance(module, cls):
+        raise TypeError(
+            f"{style} applies to a {cls.__name__} (for example the 'experts' child of an MoE), "
+            f"got {type(module).__name__}"
+        )
+    already = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
+    if already:
+        raise ValueError(f"{style}: {type(module).__name__} is already parallelized ({already})")
+
+
+def _check_ndim(mesh: DeviceMesh, allowed: tuple[int, ...], style: str, hint: str) -> None:
+    if mesh.ndim not in allowed:
+        raise ValueError(
+            f"{style} needs a {' or '.join(f'{n}-D' for n in allowed)} DeviceMesh, got a "
+            f"{mesh.ndim}-D mesh {mesh}; {hint}"
+        )
+
+
+def _experts_fingerprint(module: GroupedExperts) -> tuple:
+    d = module.dispatcher
+    return (
+        tuple(module.w1.shape),
+        tuple(module.w2.shape),
+        str(module.w1.dtype),
+        module.compute_path,
+        d.num_experts,
+        d.pad_multiple,
+        d.score_before_experts,
+    )
+
+
+class ExpertParallel(ParallelStyle):
+    """Shard the routed experts over a 1-D expert-parallel mesh (``Shard(0)``).
+
+    Apply to the ``experts`` child of an :class:`~dtensor_moe.moe.MoE`::
+
+        parallelize_module(moe, meshes.expert["ep"], {"experts": ExpertParallel()})
+
+    ``w1``/``w2``/``w3`` become ``Shard(0)`` DTensors (rank ``p`` of ``ep`` holds experts
+    ``[p * E / ep, (p + 1) * E / ep)``) and the dispatcher becomes an
+    :class:`~dtensor_moe.parallel.AllToAllTokenDispatcher` on the mesh. The ranks may hold
+    different tokens (data-parallel ranks, "dp2ep") or the tp ranks of a sequence-parallel
+    block (with :class:`PrepareMoEInput` ``routing="split"``). Expert weight gradients are
+    ``Shard(0)`` DTensors holding the complete gradient of the local experts.
+
+    Collectives: applying runs one ``all_gather_object`` (config check) and the weight scatter;
+    forward: ``all_to_all_single`` x 3; backward: ``all_to_all_single`` x 2, all on the mesh.
+
+    Raises:
+        ValueError: the mesh is not 1-D, ``num_experts`` is not divisible by its size, or the
+            experts' configuration differs across its ranks (on every rank, before any data
+            collective; see Note [Style application]).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = type(self).__name__
+        _check_module(module, GroupedExperts, style)
+        _check_ndim(device_mesh, (1,), style, 'pass a 1-D EP mesh such as meshes.expert["ep"]')
+        ep, num_experts = device_mesh.size(), module.w1.shape[0]
+        error = None
+        if num_experts % ep != 0:
+            error = (
+                f"{style}: num_experts={num_experts} is not divisible by the expert-parallel "
+                f"degree ep={ep}; choose ep among the divisors of num_experts"
+            )
+        _agree_or_raise(
+            device_mesh, "the experts' configuration", _experts_fingerprint(module), error
+        )
+        for name in ("w1", "w2", "w3"):
+            _distribute_param(module, name, device_mesh, [Shard(0)])
+        module.dispatcher = _dispatcher(module, ep_mesh=device_mesh if ep > 1 else None)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _dispatcher(
+    module: GroupedExperts, *, ep_mesh: DeviceMesh | None, partial_mesh: DeviceMesh | None = None
+) -> AllToAllTokenDispatcher:
+    old = module.dispatcher
+    return AllToAllTokenDispatcher(
+        num_experts=old.num_experts,
+        ep_mesh=ep_mesh,
+        partial_mesh=partial_mesh,
+        pad_multiple=old.pad_multiple,
+        score_before_experts=old.score_before_experts,
+    )
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """Shard each routed expert's hidden dim (and the experts, on a 2-D mesh).
+
+    On a 2-D ``(ep, etp)`` mesh (for example ``meshes.expert["ep", "etp"]``): ``w1``/``w3``
+    (``(E, H, D)``) become ``[Shard(0), Shard(1)]`` and ``w2`` (``(E, D, H)``)
+    ``[Shard(0), Shard(2)]``; tokens move between ``ep`` ranks by all-to-all. On a 1-D ``etp``
+    mesh (expert tensor parallelism alone): ``[Shard(1)]`` and ``[Shard(2)]``, no all-to-all.
+    Every ``etp`` rank must route the same tokens, and the experts' output is a ``Partial``
+    DTensor on the ``etp`` mesh; :class:`PrepareMoEInput` with ``routing="replicate"`` on the
+    same ranks gathers the tokens and reduces the output to the input layout.
+
+    Collectives: applying runs one ``all_gather_object`` per mesh dim and the weight scatter;
+    forward: ``all_to_all_single`` x 3 on ``ep`` (none on a 1-D mesh); backward: x 2.
+
+    Raises:
+        ValueError: the mesh is not 1-D or 2-D, a 2-D mesh has no dim names, ``num_experts`` is
+            not divisible by ``ep`` or ``hidden_dim`` by ``etp``, or the configuration differs
+            across ranks.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = type(self).__name__
+        _check_module(module, GroupedExperts, style)
+        hint = 'pass meshes.expert["ep", "etp"] or a 1-D tp mesh'
+        _check_ndim(device_mesh, (1, 2), style, hint)
+        if device_mesh.ndim == 2 and device_mesh.mesh_dim_names is None:
+            raise ValueError(f"{style} needs a 2-D mesh with dim names (ep, etp); {hint}")
+        names = device_mesh.mesh_dim_names
+        ep_mesh = device_mesh[names[0]] if device_mesh.ndim == 2 else None
+        etp_mesh = device_mesh[names[1]] if device_mesh.ndim == 2 else device_mesh
+        error = self._divisibility_error(module, ep_mesh, etp_mesh)
+        _agree_or_raise(
+            device_mesh, "the experts' configuration", _experts_fingerprint(module), error
+        )
+        lead = [Shard(0)] if ep_mesh is not None else []
+        for name, dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+            _distribute_param(module, name, device_mesh, [*lead, Shard(dim)])
+        ep_used = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
+        module.dispatcher = _dispatcher(module, ep_mesh=ep_used, partial_mesh=etp_mesh)
+        return module
+
+    @staticmethod
+    def _divisibility_error(
+        module: GroupedExperts, ep_mesh: DeviceMesh | None, etp_mesh: DeviceMesh
+    ) -> str | None:
+        E, H = module.w1.shape[0], module.w1.shape[1]
+        ep, etp = (1 if ep_mesh is None else ep_mesh.size()), etp_mesh.size()
+        if E % ep != 0:
+            return (
+                f"ExpertTensorParallel: num_experts={E} is not divisible by the expert-parallel "
+                f"degree ep={ep}; choose ep among the divisors of num_experts"
+            )
+        if H % etp != 0:
+            return (
+                f"ExpertTensorParallel: hidden_dim={H} is not divisible by the expert "
+                f"tensor-parallel degree etp={etp}; choose hidden_dim a multiple of etp"
+            )
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class PrepareMoEInput(ParallelStyle):
+    """The MoE layer's tensor/sequence-parallel plan on a 1-D tp mesh.
+
+    Keyword Args:
+        input_layout: ``Shard(1)`` (sequence parallel; uneven lengths allowed) or
+            ``Replicate()``: the placement of the MoE input on the tp mesh. The output comes
+            back in the same layout (a plain tensor in, ``Replicate()``, gives a plain tensor
+            out).
+        routing: ``"split"``: each tp rank routes its own tokens (its sequence shard, or a
+            ``1/tp`` slice of a replicated input); use with :class:`ExpertParallel` over an EP
+            mesh that contains the tp ranks (EP borrows TP). ``"replicate"``: every tp rank
+            routes all tokens of the tp group; use with :class:`ExpertTensorParallel` on the
+            tp ranks. See Note [Token-parallel MoE].
+
+    Apply to an :class:`~dtensor_moe.moe.MoE`::
+
+        parallelize_module(moe, meshes.dense["tp"], PrepareMoEInput(input_layout=Shard(1)))
+
+    The router gate becomes ``Replicate()`` on the tp mesh; the shared experts ``Replicate()``
+    under ``"split"``, and column-wise (``w1``, ``w3``: ``Shard(0)``) and row-wise (``w2``:
+    ``Shard(1)``) under ``"replicate"``. Replicated weights used on split tokens get
+    ``Partial`` gradients: FSDP2, the fused optimizer or ``full_tensor()`` reduce them over tp.
+
+    Collectives: see :class:`~dtensor_moe.parallel.token_parallel.TokenParallelForward`.
+
+    Raises:
+        ValueError: at construction for an unknown ``input_layout``/``routing``; when applied,
+            for a mesh that is not 1-D or MoE configs that differ across the tp ranks; in
+            forward, for an input with other placements or another mesh (before any
+            collective).
+    """
+
+    def __init__(self, *, input_layout: Placement = Shard(1), routing: Routing = "split") -> None:
+        super().__init__()
+        if input_layout not in INPUT_LAYOUTS:
+            raise ValueError(
+                f"PrepareMoEInput: input_layout must be Shard(1) (sequence parallel) or "
+                f"Replicate(), got {input_layout!r}"
+            )
+        if routing not in ROUTINGS:
+            raise ValueError(
+                f"PrepareMoEInput: routing must be 'split' (EP borrows the tp ranks) or "
+                f"'replicate' (expert tensor parallelism), got {routing!r}"
+            )
+        self.input_layout = input_layout
+        self.routing = routing
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = repr(self)
+        if not isinstance(module, MoE):
+            raise TypeError(f"{style} applies to an MoE layer, got {type(module).__name__}")
+        if module.parallel_forward is not None:
+            raise ValueError(f"{style}: this MoE already has a parallel forward")
+        _check_ndim(device_mesh, (1,), style, 'pass the 1-D tp mesh such as meshes.dense["tp"]')
+        _agree_or_raise(device_mesh, "the MoE config", module.config, None)
+        _distribute_param(module.router.gate, "weight", device_mesh, [Replicate()])
+        if module.shared_experts is not None:
+            shared = module.shared_experts
+            split = self.routing == "split"
+            for name, dim in (("w1", 0), ("w2", 1), ("w3", 0)):
+                placement = Replicate() if split else Shard(dim)
+                _distribute_param(getattr(shared, name), "weight", device_mesh, [placement])
+        module.parallel_forward = TokenParallelForward(
+            mesh=device_mesh, input_layout=self.input_layout, routing=self.routing
+        )
+        return module
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layout={self.input_layout!r}, routing={self.routing!r})"
+        )

@@ -1,0 +1,320 @@
+"""The MoE forward under tensor / sequence parallelism: which tokens each TP rank routes.
+
+Shape legend:
+    B  sequences, L  tokens per sequence (global, as the input DTensor says)
+    D  model width        E  routed experts        K  experts per token
+    T  tokens this rank routes (``x_TD``), flattened in the order of its local block
+    t  tokens of this rank's 1/tp slice of the flattened ``B * L`` tokens
+
+Note [Token-parallel MoE]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+:class:`~dtensor_moe.parallel.PrepareMoEInput` installs :class:`TokenParallelForward` as the
+layer's ``parallel_forward`` (Note [Parallel forward hook] in ``dtensor_moe/moe/layer.py``). The
+MoE input is a DTensor on the 1-D tp mesh, ``Shard(1)`` (sequence parallel; uneven lengths
+allowed) or ``Replicate()``; a plain tensor counts as ``Replicate()``. The output has the
+input's layout (and is a plain tensor when the input was). Two routings:
+
+``"split"`` (EP borrows the tp ranks): every token is routed by exactly one tp rank.
+    ``Shard(1)``: a rank routes its own sequence shard ``(B, l_r, D)``; no collective on tp.
+    ``Replicate()``: a rank routes its ``1/tp`` slice of the flattened tokens (DTensor's
+    ``Shard(0)`` of the ``(B * L, D)`` view, which is ``TokenShardMeta(..., "flat")``); the
+    output slices are all-gathered (DTensor pads the uneven slices to ``ceil(B*L/tp)`` rows, so
+    sizes agree, and cuts the padding off again; padding is never routed). The experts must be
+    expert-parallel over ranks that include the tp ranks, so their weight gradients are
+    ``Shard(0)`` DTensors and need no tp reduction.
+
+``"replicate"`` (expert tensor parallelism): every tp rank routes all tokens of the tp group
+    (a ``Shard(1)`` input is all-gathered). Each rank computes a hidden-dim slice of every
+    expert (and of the shared experts), so the outputs are ``Partial`` and are reduced to the
+    input layout: reduce-scatter for ``Shard(1)``, all-reduce for ``Replicate()``.
+
+The routed region (router top-k, dispatch, experts, combine) runs on local tensors. Its DTensor
+inputs, the tokens and the router logits, become local with gradient placements derived from
+the region's output (:func:`region_grad_placements`): under ``"split"`` the output is a shard,
+and a shard's gradient is a shard; under ``"replicate"`` the output is ``Partial``, so the
+local gradient of a replicated input is a partial sum (``Partial``). The router gate and the
+shared experts run as DTensor ops on the token DTensor, so DTensor derives their gradients:
+a ``Replicate`` weight used on split tokens gets a ``Partial`` gradient (reduced over tp by
+FSDP2, by ``full_tensor()`` or by the optimizer), a column/row-sharded weight a sharded one.
+
+Router statistics are global (see Note [Global router statistics]).
+"""
+
+# ruff: noqa: N803, N806, N812
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from dtensor_moe.moe.balance import attach_aux_loss
+from dtensor_moe.moe.experts import swiglu_mlp
+from dtensor_moe.moe.layer import MoE
+from dtensor_moe.moe.router import (
+    RouterOutput,
+    TokenChoiceTopKRouter,
+    aux_loss_from_sums,
+    sequence_sums,
+)
+from dtensor_moe.parallel.padding import TokenShardMeta
+
+__all__ = ["Routing", "TokenParallelForward", "region_grad_placements"]
+
+Routing: TypeAlias = Literal["split", "replicate"]
+ROUTINGS: tuple[Routing, ...] = ("split", "replicate")
+INPUT_LAYOUTS: tuple[Placement, ...] = (Shard(1), Replicate())
+
+
+def region_grad_placements(
+    in_placements: tuple[Placement, ...], region_output: Placement
+) -> list[Placement]:
+    """Gradient placements of a DTensor input made local for the routed region.
+
+    A sharded input's local gradient is the gradient of its shard (the shard is all this rank
+    reads). A replicated input's local gradient is complete when the region's output is
+    replicated too (every rank computed the same thing) and a partial sum otherwise (each rank
+    produced a different shard or a partial sum of the output). See Note [Token-parallel MoE].
+    """
+    return [p if p.is_shard() or region_output.is_replicate() else Partial() for p in in_placements]
+
+
+def _local_view(t: DTensor, *, region_output: Placement) -> torch.Tensor:
+    """``t``'s local tensor inside the routed region, with derived gradient placements."""
+    return t.to_local(grad_placements=region_grad_placements(t.placements, region_output))
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Tokens:
+    """The tokens this rank routes, for one forward (see Note [Token-parallel MoE]).
+
+    Attributes:
+        x: DTensor on the tp mesh whose local tensor holds exactly these tokens.
+        region_output: placement of the routed output on the tp mesh (a shard, or Partial).
+        sequence_T: global sequence index of each local token.
+        owned: the local tokens whose router statistics this rank counts (``None``: all).
+    """
+
+    x: DTensor
+    region_output: Placement
+    sequence_T: torch.Tensor
+    owned: slice | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenParallelForward:
+    """``parallel_forward`` of a :class:`~dtensor_moe.moe.MoE` under TP/SP.
+
+    Keyword Args:
+        mesh: the 1-D tp mesh.
+        input_layout: ``Shard(1)`` or ``Replicate()``; the placement a DTensor input must have.
+        routing: ``"split"`` or ``"replicate"``; see Note [Token-parallel MoE].
+
+    Collectives on the tp mesh (besides the experts' own all-to-alls on the EP mesh):
+
+    ========================  ======================  ========================
+    routing / input            forward                 backward
+    ========================  ======================  ========================
+    split / ``Shard(1)``       none                    none
+    split / ``Replicate``      all-gather (output)     all-gather (input grad)
+    replicate / ``Shard(1)``   all-gather, reduce-sc.  all-gather, reduce-sc.
+    replicate / ``Replicate``  all-reduce              all-reduce
+    ========================  ======================  ========================
+
+    plus, in training with ``aux_loss_coeff > 0`` and ``"split"`` routing, one forward
+    all-reduce of the per-sequence router statistics.
+    """
+
+    mesh: DeviceMesh
+    input_layout: Placement
+    routing: Routing
+
+    def __call__(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        self.check_experts(moe)
+        x_in = self._input(moe, x)
+        B, L, D = x_in.shape
+        tokens = self._tokens(x_in)
+        local = functools.partial(_local_view, region_output=tokens.region_output)
+        x_local = local(tokens.x)
+        x_TD = x_local.reshape(-1, D)
+        logits_TE = F.linear(x_TD, local(moe.router.gate.weight))
+        routing = self._route(moe.router, logits_TE, tokens, x_TD.dtype, batch=B, seq_len=L)
+        y_TD = moe.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
+        if isinstance(y_TD, DTensor):  # expert TP: a Partial DTensor on the etp mesh
+            y_TD = y_TD.to_local()
+        if moe.shared_experts is not None:
+            shared = moe.shared_experts
+            weights = (local(lin.weight) for lin in (shared.w1, shared.w2, shared.w3))
+            y_TD = y_TD + swiglu_mlp(x_TD, *weights)
+        if routing.aux_loss is not None:
+            y_TD = attach_aux_loss(y_TD, routing.aux_loss)
+        y = DTensor.from_local(
+            y_TD.view(x_local.shape),
+            self.mesh,
+            [tokens.region_output],
+            shape=tokens.x.shape,
+            stride=_contiguous_stride(tokens.x.shape),
+        )
+        y = self._output(y, x_in)
+        return y if isinstance(x, DTensor) else y.to_local()
+
+    # -- validation -------------------------------------------------------------------------
+
+    def check_experts(self, moe: MoE) -> None:
+        """The experts' parallelism must match the routing (attribute checks, no collective)."""
+        dispatcher = moe.experts.dispatcher
+        partial = getattr(dispatcher, "partial_mesh", None)
+        tp_ranks = self.mesh.mesh.tolist()
+        if self.routing == "replicate":
+            if partial is None or partial.mesh.tolist() != tp_ranks:
+                raise ValueError(
+                    "PrepareMoEInput(routing='replicate') needs the experts sharded with "
+                    "ExpertTensorParallel on ranks equal to the tp mesh "
+                    f"{tp_ranks}; got dispatcher {dispatcher!r}"
+                )
+            return
+        ep_mesh = getattr(dispatcher, "ep_mesh", None)
+        ep_ranks = set() if ep_mesh is None else set(ep_mesh.mesh.tolist())
+        if partial is not None or not set(tp_ranks) <= ep_ranks:
+            raise ValueError(
+                "PrepareMoEInput(routing='split') routes different tokens on each tp rank, so "
+                "the experts must be ExpertParallel over an EP mesh containing the tp ranks "
+                f"{tp_ranks} (EP borrows TP) and not tensor parallel; got dispatcher "
+                f"{dispatcher!r}. Use routing='replicate' with ExpertTensorParallel instead"
+            )
+
+    def _input(self, moe: MoE, x: torch.Tensor) -> DTensor:
+        """``x`` as a DTensor with ``input_layout``, its gradient returned in that layout."""
+        if not isinstance(x, DTensor):
+            if self.input_layout.is_shard():
+                raise ValueError(
+                    "PrepareMoEInput(input_layout=Shard(1)) got a plain tensor; pass the "
+                    "sequence-parallel activation as a DTensor (for example "
+                    "use_local_output=False on the previous layer), so that uneven sequence "
+                    "shards keep their global length"
+                )
+            moe._check_input(x)
+            return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        if x.device_mesh != self.mesh or tuple(x.placements) != (self.input_layout,):
+            raise ValueError(
+                f"PrepareMoEInput expects the MoE input on {self.mesh} with placements "
+                f"({self.input_layout!r},), got {x.device_mesh} with {tuple(x.placements)!r}; "
+                "redistribute the input, or apply PrepareMoEInput with "
+                "input_layout=Shard(1) (sequence parallel) or Replicate()"
+            )
+        moe._check_input(x)
+        # A round trip whose backward redistributes the gradient to the input's placements.
+        return DTensor.from_local(
+            x.to_local(), self.mesh, x.placements, shape=x.shape, stride=x.stride()
+        )
+
+    # -- tokens in, output out ----------------------------------------------------------------
+
+    def _tokens(self, x_in: DTensor) -> _Tokens:
+        B, L, D = x_in.shape
+        tp, rank = self.mesh.size(), self.mesh.get_local_rank()
+        device = x_in.device
+        if self.routing == "replicate":
+            x = x_in.redistribute(self.mesh, [Replicate()])
+            flat = TokenShardMeta.from_shape(B, L, tp, "flat")
+            start = flat.offset(rank)
+            owned = slice(start, start + flat.local_len(rank))
+            sequence_T = torch.arange(B * L, device=device) // max(L, 1)
+            return _Tokens(x=x, region_output=Partial(), sequence_T=sequence_T, owned=owned)
+        if self.input_layout.is_shard():
+            meta = TokenShardMeta.from_shape(B, L, tp, 1)
+            x = x_in
+        else:
+            meta = TokenShardMeta.from_shape(B, L, tp, "flat")
+            x = x_in.view(B * L, D).redistribute(self.mesh, [Shard(0)])
+        sequence_T = meta.global_token_index(rank, device=device) // max(L, 1)
+        return _Tokens(x=x, region_output=x.placements[0], sequence_T=sequence_T, owned=None)
+
+    def _output(self, y: DTensor, x_in: DTensor) -> DTensor:
+        if y.placements[0] == self.input_layout:
+            return y
+        y = y.redistribute(self.mesh, [self.input_layout])
+        return y.view(x_in.shape)
+
+    # -- router statistics --------------------------------------------------------------------
+
+    def _route(
+        self,
+        router: TokenChoiceTopKRouter,
+        logits_TE: torch.Tensor,
+        tokens: _Tokens,
+        dtype: torch.dtype,
+        *,
+        batch: int,
+        seq_len: int,
+    ) -> RouterOutput:
+        """The router's steps on local logits, with global statistics.
+
+        Note [Global router statistics]: every token is counted by exactly one rank of the
+        world. Under ``"split"`` a rank counts the tokens it routes; under ``"replicate"`` all
+        tp ranks route the same tokens, so a rank counts only its ``1/tp`` flat slice
+        (``tokens.owned``). Summing the counters over all ranks (``update_expert_bias(...,
+        process_group=dist.group.WORLD)``) therefore gives the global count and the same bias
+        update on every rank. The auxiliary loss of a data-parallel rank is the single-device
+        loss of its batch: the selection counts per sequence are summed over the tp ranks
+        (one all-reduce under ``"split"``; local under ``"replicate"``), and each rank adds
+        the share of the loss that its own tokens' scores carry (the loss is linear in the
+        score sums), so the shares add up over tp to the loss, and so do their gradients.
+        """
+        cfg = router.config
+        scores_TE = router.scores(logits_TE)
+        topk_ids_TK = router.select(scores_TE)
+        topk_scores_TK = router.combine_weights(scores_TE, topk_ids_TK)
+        counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
+        owned_counts_E = counts_E
+        if tokens.owned is not None:
+            owned_ids = topk_ids_TK[tokens.owned].reshape(-1)
+            owned_counts_E = torch.bincount(owned_ids, minlength=cfg.num_experts)
+        router.count_tokens(owned_counts_E)
+        aux_loss = None
+        if router.training and cfg.aux_loss_coeff > 0:
+            aux_loss = self._aux_loss(router, scores_TE, topk_ids_TK, tokens, (batch, seq_len))
+        return RouterOutput(
+            topk_scores_TK=topk_scores_TK.to(dtype),
+            topk_ids_TK=topk_ids_TK,
+            counts_E=counts_E,
+            aux_loss=aux_loss,
+        )
+
+    def _aux_loss(
+        self,
+        router: TokenChoiceTopKRouter,
+        scores_TE: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        tokens: _Tokens,
+        batch_and_len: tuple[int, int],
+    ) -> torch.Tensor:
+        cfg = router.config
+        B, L = batch_and_len
+        aux_TE = router.aux_scores(scores_TE)
+        hits_BE, sums_BE = sequence_sums(aux_TE, topk_ids_TK, tokens.sequence_T, B)
+        if tokens.owned is None:
+            stats = funcol.all_reduce(torch.cat([hits_BE, sums_BE.detach()]), "sum", self.mesh)
+            hits_BE, all_sums_BE = stats.split(B)
+            own_sums_BE = sums_BE
+        else:
+            all_sums_BE = sums_BE.detach()
+            o = tokens.owned
+            _, own_sums_BE = sequence_sums(aux_TE[o], topk_ids_TK[o], tokens.sequence_T[o], B)
+        kwargs = dict(seq_len=L, top_k=cfg.top_k, coeff=cfg.aux_loss_coeff)
+        router.last_aux_loss = aux_loss_from_sums(hits_BE, all_sums_BE, **kwargs).detach()
+        return aux_loss_from_sums(hits_BE, own_sums_BE, **kwargs)

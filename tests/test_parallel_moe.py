@@ -1,0 +1,247 @@
+"""Parity of the parallel MoE layouts with the single-device layer (4 gloo ranks).
+
+Every layout runs the same global batch as one single-device ``MoE`` with the same weights and
+checks, at 1e-5 relative in fp32, for 3 training steps (fused AdamW, expert-bias update):
+the output, the input gradient, every parameter gradient (reduced as ``docs/parallelism.md``
+says), the auxiliary-loss value, the expert bias, and after the steps every parameter.
+
+The global batch is ``dp`` data shards of ``B`` sequences; data-parallel rank ``d`` holds shard
+``d``. The objective is the mean over data shards (the usual data-parallel loss), so the
+reference loss is ``sum(y * G) / dp`` and a rank's gradient, summed over the documented groups,
+is divided by ``dp``.
+
+Matrix (issue 4): layouts x B in {1, 2} x L in {8 (divisible), 7 (not divisible), 1 (fewer
+tokens than ranks: a tp rank with zero tokens)} x top_k in {1, 2} x shared experts {0, 1}.
+The CI subset, ``CI_CASES``, runs three cases per layout that together take every value of
+every axis; ``DTENSOR_MOE_FULL_MATRIX=1`` runs the whole product.
+
+Shape legend: B sequences per data shard, L tokens per sequence, D dim, E experts.
+"""
+
+# ruff: noqa: N806
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
+
+import dtensor_moe  # noqa: F401  (registers the fused optimizer handlers)
+from dtensor_moe import MoE, MoEConfig
+from dtensor_moe.moe import update_expert_bias
+from dtensor_moe.parallel import MoEMeshes, build_moe_meshes, parallelize_moe
+from tests._dist import DistTestBase
+
+D, H, E = 16, 32, 8
+TOL = 1e-5
+STEPS = 3
+LR = 1e-2
+BIAS_RATE = 1e-2
+
+
+@dataclass(frozen=True)
+class Layout:
+    meshes: dict
+    sequence_parallel: bool
+
+
+LAYOUTS = {
+    "ep2": Layout({"dp": 4, "ep": 2}, False),  # EP over data ranks, edp 2
+    "ep4": Layout({"dp": 4, "ep": 4}, False),  # dp2ep
+    "etp2": Layout({"dp": 2, "ep": 1, "tp": 2, "expert_tp": True}, True),  # expert TP, SP input
+    "ep2tp2": Layout({"dp": 2, "ep": 2, "tp": 2, "expert_tp": True}, True),  # EP x TP
+    "sp2ep2": Layout({"dp": 2, "ep": 2, "tp": 2}, True),  # SP2, EP borrows TP
+    "tp2ep2": Layout({"dp": 2, "ep": 2, "tp": 2}, False),  # TP2 (Replicate input), EP borrows TP
+    "sp2ep4": Layout({"dp": 2, "ep": 4, "tp": 2}, True),  # SP2, EP over tp and dp ranks
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    L: int
+    top_k: int
+    shared: int
+
+    def __str__(self) -> str:
+        return f"B={self.B} L={self.L} top_k={self.top_k} shared={self.shared}"
+
+
+FULL_MATRIX = [Case(*c) for c in itertools.product((1, 2), (8, 7, 1), (1, 2), (0, 1))]
+CI_CASES = [Case(2, 7, 2, 1), Case(1, 1, 1, 0), Case(1, 8, 2, 0)]
+CASES = FULL_MATRIX if os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1" else CI_CASES
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, msg: str) -> None:
+    """Within 1e-5 relative, elementwise or to the tensor's largest magnitude."""
+    atol = TOL * float(expected.detach().abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=TOL, atol=atol, msg=lambda m: f"{msg}\n{m}")
+
+
+def make_config(case: Case, **overrides) -> MoEConfig:
+    fields = dict(
+        dim=D,
+        hidden_dim=H,
+        num_experts=E,
+        top_k=case.top_k,
+        num_shared_experts=case.shared,
+        aux_loss_coeff=0.1,
+        use_expert_bias=True,
+        init_std=0.3,
+    )
+    fields.update(overrides)
+    return MoEConfig(**fields)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def is_routed_expert(name: str) -> bool:
+    return name.startswith("experts.")
+
+
+def reduce_grad(name: str, param: torch.Tensor, meshes: MoEMeshes) -> torch.Tensor:
+    """The documented reduction of ``param.grad``, as a plain local tensor in param's layout.
+
+    Routed experts: the DTensor grad on (ep[, etp]) is complete; sum over ``edp``. Everything
+    else: redistribute to the param's placements (a ``Partial`` grad is summed over tp), then
+    sum over ``dp``. Divided by ``dp``: the objective is the mean over data shards.
+    """
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        grad = grad.redistribute(placements=param.placements).to_local()
+    grad = grad.clone()
+    dim = "edp" if is_routed_expert(name) else "dp"
+    mesh = meshes.expert if is_routed_expert(name) else meshes.dense
+    dist.all_reduce(grad, group=mesh.get_group(dim))
+    return grad / meshes.dp
+
+
+def as_param_grad(param: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(param, DTensor):
+        return DTensor.from_local(
+            local_grad,
+            param.device_mesh,
+            param.placements,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return local_grad
+
+
+class ParallelRun:
+    """One layout x case: the distributed model next to its single-device reference."""
+
+    def __init__(self, layout: Layout, case: Case, rank: int, **config) -> None:
+        self.layout, self.case = layout, case
+        self.meshes = build_moe_meshes(**layout.meshes, device_type="cpu")
+        torch.manual_seed(0)
+        self.ref = MoE(make_config(case, **config))
+        self.model = parallelize_moe(
+            copy.deepcopy(self.ref), self.meshes, sequence_parallel=layout.sequence_parallel
+        )
+        dp, B = self.meshes.dp, case.B
+        self.X = torch.randn(dp * B, case.L, D)
+        self.G = torch.randn(dp * B, case.L, D)
+        self.shard = slice((rank // self.meshes.tp) * B, (rank // self.meshes.tp + 1) * B)
+        self.opt_ref = torch.optim.AdamW(self.ref.parameters(), lr=LR, fused=True)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=True)
+
+    def _placement(self):
+        return [Shard(1) if self.layout.sequence_parallel else Replicate()]
+
+    def forward_backward(self) -> dict[str, torch.Tensor]:
+        """Run one step's forward and backward on both; return what to compare."""
+        x_ref = self.X.clone().requires_grad_()
+        y_ref = self.ref(x_ref)
+        (y_ref * self.G).sum().div(self.meshes.dp).backward()
+        x_d, g_d = self.X[self.shard], self.G[self.shard]
+        if self.meshes.tp > 1:
+            tp_mesh = self.meshes.dense["tp"]
+            x = distribute_tensor(x_d, tp_mesh, self._placement()).requires_grad_()
+            g_local = distribute_tensor(g_d, tp_mesh, self._placement()).to_local()
+            y = self.model(x)
+            (y.to_local() * g_local).sum().backward()
+        else:
+            x = x_d.clone().requires_grad_()
+            y = self.model(x)
+            (y * g_d).sum().backward()
+        return {
+            "y": (full(y), y_ref[self.shard].detach()),
+            "x.grad": (full(x.grad) / self.meshes.dp, x_ref.grad[self.shard]),
+        }
+
+    def step(self, check) -> None:
+        for name, (actual, expected) in self.forward_backward().items():
+            check(actual, expected, name)
+        ref_params = dict(self.ref.named_parameters())
+        for name, param in self.model.named_parameters():
+            local = reduce_grad(name, param, self.meshes)
+            param.grad = as_param_grad(param, local)
+            check(full(param.grad), ref_params[name].grad, f"{name}.grad")
+        if self.ref.config.aux_loss_coeff > 0:
+            aux = self.model.router.last_aux_loss.clone()
+            dist.all_reduce(aux, group=self.meshes.dense.get_group("dp"))
+            check(aux / self.meshes.dp, self.ref.router.last_aux_loss, "aux loss")
+        self.opt.step()
+        self.opt_ref.step()
+        self.opt.zero_grad()
+        self.opt_ref.zero_grad()
+        update_expert_bias(self.model, BIAS_RATE, process_group=dist.group.WORLD)
+        update_expert_bias(self.ref, BIAS_RATE)
+        check(self.model.router.expert_bias, self.ref.router.expert_bias, "expert bias")
+
+    def check_params(self, check) -> None:
+        ref_params = dict(self.ref.named_parameters())
+        for name, param in self.model.named_parameters():
+            check(full(param).detach(), ref_params[name].detach(), f"param {name}")
+
+
+class ParallelMoEParityTest(DistTestBase):
+    def _run_layout(self, name: str) -> None:
+        for case in CASES:
+            run = ParallelRun(LAYOUTS[name], case, self.rank)
+            for step in range(STEPS):
+
+                def check(actual, expected, what, step=step, case=case):
+                    close(actual, expected, f"{name} {case} step {step}: {what}")
+
+                run.step(check)
+            run.check_params(lambda a, e, w, case=case: close(a, e, f"{name} {case}: {w}"))
+
+    @with_comms
+    def test_ep2(self):
+        self._run_layout("ep2")
+
+    @with_comms
+    def test_ep4_dp2ep(self):
+        self._run_layout("ep4")
+
+    @with_comms
+    def test_expert_tp2(self):
+        self._run_layout("etp2")
+
+    @with_comms
+    def test_ep2_x_tp2(self):
+        self._run_layout("ep2tp2")
+
+    @with_comms
+    def test_sp2_ep_borrows_tp(self):
+        self._run_layout("sp2ep2")
+        self._run_layout("sp2ep4")
+
+    @with_comms
+    def test_tp2_replicate_input_ep_borrows_tp(self):
+        self._run_layout("tp2ep2")
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,328 @@
+"""The parallel MoE styles beyond parity (4 gloo ranks): collective counts, early errors,
+re-entrancy (activation checkpointing, two forwards before a backward) and zero-token ranks.
+
+Shape legend: B sequences, L tokens per sequence, D dim, E experts.
+"""
+
+# ruff: noqa: N806
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
+from torch.utils.checkpoint import checkpoint
+
+from dtensor_moe import (
+    ExpertParallel,
+    ExpertTensorParallel,
+    MoE,
+    MoEConfig,
+    PrepareMoEInput,
+    build_moe_meshes,
+    parallelize_moe,
+)
+from tests._dist import DistTestBase
+from tests.test_parallel_moe import LAYOUTS, Case, D, E, H, close, full, make_config
+
+COUNT_CASE = Case(B=2, L=7, top_k=2, shared=1)
+
+
+def _counts(mode: CommDebugMode) -> str:
+    counts = sorted((str(op).split(".")[-1], n) for op, n in mode.get_comm_counts().items())
+    return " ".join(f"{op}={n}" for op, n in counts) or "none"
+
+
+def _build(name: str, case: Case, **config):
+    layout = LAYOUTS[name]
+    meshes = build_moe_meshes(**layout.meshes)
+    torch.manual_seed(0)
+    model = MoE(make_config(case, **config))
+    parallelize_moe(model, meshes, sequence_parallel=layout.sequence_parallel)
+    return model, meshes, layout
+
+
+def _input(meshes, layout, x_BLD: torch.Tensor) -> torch.Tensor:
+    """This rank's MoE input: a DTensor on the tp mesh, or a plain tensor without tp."""
+    x_BLD = x_BLD.clone()
+    if meshes.tp == 1:
+        return x_BLD.requires_grad_()
+    placement = Shard(1) if layout.sequence_parallel else Replicate()
+    return distribute_tensor(x_BLD, meshes.dense["tp"], [placement]).requires_grad_()
+
+
+def _local_loss(y: torch.Tensor) -> torch.Tensor:
+    y_local = y.to_local() if isinstance(y, DTensor) else y
+    return (y_local * torch.linspace(-1, 1, y_local.numel()).view_as(y_local)).sum()
+
+
+class ParallelStylesTest(DistTestBase):
+    @with_comms
+    def test_collective_counts_per_layout(self):
+        """Forward and backward collectives of one training step, per layout (B=2, L=7, top-2,
+        one shared expert, aux loss on). A stray all-gather shows up as a diff here."""
+        lines = []
+        for name in LAYOUTS:
+            model, meshes, layout = _build(name, COUNT_CASE)
+            torch.manual_seed(1 + self.rank // meshes.tp)
+            x = _input(meshes, layout, torch.randn(COUNT_CASE.B, COUNT_CASE.L, D))
+            with CommDebugMode() as fwd:
+                y = model(x)
+            with CommDebugMode() as bwd:
+                _local_loss(y).backward()
+            lines.append(f"{name}: forward {_counts(fwd)} | backward {_counts(bwd)}")
+        self.assertExpectedInline(
+            "\n".join(lines),
+            """\
+ep2: forward all_to_all_single=3 | backward all_to_all_single=2
+ep4: forward all_to_all_single=3 | backward all_to_all_single=2
+etp2: forward all_gather_into_tensor=1 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 reduce_scatter_tensor=1
+ep2tp2: forward all_gather_into_tensor=1 all_to_all_single=3 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 all_to_all_single=2 reduce_scatter_tensor=1
+sp2ep2: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2
+tp2ep2: forward all_gather_into_tensor=1 all_reduce=1 all_to_all_single=3 | backward all_gather_into_tensor=1 all_to_all_single=2
+sp2ep4: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2""",
+        )
+
+    @with_comms
+    def test_errors_before_any_collective(self):
+        cfg = MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=2)
+        world = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))
+        cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
+        tp = grid["etp"]
+        cases = [
+            (
+                "num_experts % ep",
+                lambda: parallelize_module(
+                    MoE(MoEConfig(dim=D, hidden_dim=H, num_experts=6, top_k=2)).experts,
+                    world,
+                    ExpertParallel(),
+                ),
+                r"num_experts=6 is not divisible by the expert-parallel degree ep=4",
+            ),
+            (
+                "ExpertParallel on a 2-D mesh",
+                lambda: parallelize_module(MoE(cfg).experts, grid, ExpertParallel()),
+                r"ExpertParallel needs a 1-D DeviceMesh, got a 2-D mesh",
+            ),
+            (
+                "ExpertTensorParallel on a 3-D mesh",
+                lambda: parallelize_module(MoE(cfg).experts, cube, ExpertTensorParallel()),
+                r"ExpertTensorParallel needs a 1-D or 2-D DeviceMesh, got a 3-D mesh",
+            ),
+            (
+                "PrepareMoEInput on a 2-D mesh",
+                lambda: parallelize_module(MoE(cfg), grid, PrepareMoEInput()),
+                r"PrepareMoEInput\(.*\) needs a 1-D DeviceMesh, got a 2-D mesh",
+            ),
+            (
+                "hidden_dim % etp",
+                lambda: parallelize_module(
+                    MoE(MoEConfig(dim=D, hidden_dim=15, num_experts=E, top_k=2)).experts,
+                    grid,
+                    ExpertTensorParallel(),
+                ),
+                r"hidden_dim=15 is not divisible by the expert tensor-parallel degree etp=2",
+            ),
+            (
+                "MoE config differs across ranks",
+                lambda: parallelize_module(
+                    MoE(MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=1 + self.rank % 2)),
+                    tp,
+                    PrepareMoEInput(),
+                ),
+                r"the MoE config differs across the ranks of .*top_k=1.*top_k=2",
+            ),
+            (
+                "experts config differs across ranks",
+                lambda: parallelize_module(
+                    MoE(
+                        MoEConfig(dim=D, hidden_dim=16 * (1 + self.rank), num_experts=E, top_k=2)
+                    ).experts,
+                    world,
+                    ExpertParallel(),
+                ),
+                r"the experts' configuration differs across the ranks",
+            ),
+            (
+                "one rank's divisibility error reaches every rank",
+                lambda: parallelize_module(
+                    MoE(
+                        MoEConfig(dim=D, hidden_dim=H, num_experts=6 if self.rank else 8, top_k=2)
+                    ).experts,
+                    world,
+                    ExpertParallel(),
+                ),
+                r"num_experts=6 is not divisible by the expert-parallel degree ep=4",
+            ),
+            (
+                "style on the wrong module",
+                lambda: parallelize_module(MoE(cfg).router, world, ExpertParallel()),
+                r"ExpertParallel applies to a GroupedExperts .*got TokenChoiceTopKRouter",
+            ),
+            (
+                "unknown input layout",
+                lambda: PrepareMoEInput(input_layout=Shard(2)),
+                r"input_layout must be Shard\(1\) \(sequence parallel\) or Replicate\(\), got Shard\(dim=2\)",
+            ),
+            (
+                "unknown routing",
+                lambda: PrepareMoEInput(routing="gather"),
+                r"routing must be 'split' .* or 'replicate' .* got 'gather'",
+            ),
+            (
+                "parallelize_moe without an MoE",
+                lambda: parallelize_moe(
+                    torch.nn.Linear(2, 2), build_moe_meshes(dp=4, ep=4), sequence_parallel=False
+                ),
+                r"parallelize_moe found no MoE layer in Linear",
+            ),
+        ]
+        for what, fn, pattern in cases:
+            with self.assertRaisesRegex((ValueError, TypeError), pattern, msg=what):
+                fn()
+        self._forward_errors(cfg)
+        dist.barrier()  # every rank raised at the same point: the group is still in step
+
+    def _forward_errors(self, cfg: MoEConfig) -> None:
+        meshes = build_moe_meshes(dp=2, ep=2, tp=2)
+        tp = meshes.dense["tp"]
+        sp_moe = parallelize_moe(MoE(cfg), meshes, sequence_parallel=True)
+        x = torch.randn(2, 5, D)
+        x_rep, x_s0, x_s1 = (
+            distribute_tensor(x, tp, [p]) for p in (Replicate(), Shard(0), Shard(1))
+        )
+        split_etp, replicate_ep = (
+            _mismatched_routing(cfg, meshes, r) for r in ("split", "replicate")
+        )
+        cases = [
+            (
+                "Replicate input to a Shard(1) plan",
+                lambda: sp_moe(x_rep),
+                (
+                    r"expects the MoE input on .* with placements \(Shard\(dim=1\),\), got .*"
+                    r"\(Replicate\(\),\)"
+                ),
+            ),
+            (
+                "Shard(0) input",
+                lambda: sp_moe(x_s0),
+                r"with placements \(Shard\(dim=1\),\), got .*\(Shard\(dim=0\),\)",
+            ),
+            (
+                "plain tensor to a Shard(1) plan",
+                lambda: sp_moe(x),
+                (
+                    r"input_layout=Shard\(1\)\) got a plain tensor; pass the sequence-parallel "
+                    r"activation as a DTensor"
+                ),
+            ),
+            (
+                "split routing with expert-TP experts",
+                lambda: split_etp(x_s1),
+                r"routing='split'\) routes different tokens .* ExpertParallel over an EP mesh",
+            ),
+            (
+                "replicate routing with EP experts",
+                lambda: replicate_ep(x_s1),
+                r"routing='replicate'\) needs the experts sharded with ExpertTensorParallel",
+            ),
+            (
+                "applying PrepareMoEInput twice",
+                lambda: parallelize_module(sp_moe, tp, PrepareMoEInput()),
+                r"this MoE already has a parallel forward",
+            ),
+        ]
+        for what, fn, pattern in cases:
+            with CommDebugMode() as comm, self.assertRaisesRegex(ValueError, pattern, msg=what):
+                fn()
+            self.assertEqual(comm.get_total_counts(), 0, f"{what}: a collective ran")
+
+    @with_comms
+    def test_checkpoint_and_two_forwards_before_backward(self):
+        """No per-forward state: recompute under torch.utils.checkpoint and two micro-batches in
+        flight give the same outputs, input and param grads and router counters as plain
+        runs, one micro-batch at a time."""
+        case = Case(B=2, L=7, top_k=2, shared=1)
+        for name in ("sp2ep2", "tp2ep2", "ep2tp2", "ep4"):
+            base, meshes, layout = _build(name, case)
+            torch.manual_seed(1 + self.rank // meshes.tp)
+            xs = [torch.randn(case.B, case.L, D) for _ in range(2)]
+
+            def run(model, mode, meshes=meshes, layout=layout, xs=xs):
+                inputs = [_input(meshes, layout, x) for x in xs]
+                if mode == "in flight":
+                    ys = [model(x) for x in inputs]
+                    sum(_local_loss(y) for y in ys).backward()
+                else:
+                    for x in inputs:
+                        y = (
+                            checkpoint(model, x, use_reentrant=False)
+                            if mode == "ckpt"
+                            else model(x)
+                        )
+                        _local_loss(y).backward()
+                return [full(y) for y in ys] if mode == "in flight" else None, inputs
+
+            ref = copy.deepcopy(base)
+            run(ref, "plain")
+            for mode in ("ckpt", "in flight"):
+                model = copy.deepcopy(base)
+                run(model, mode)
+                for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                    close(full(p.grad), full(q.grad), f"{name} {mode}: {n}.grad")
+                self.assertTrue(
+                    torch.equal(model.router.tokens_per_expert, ref.router.tokens_per_expert),
+                    f"{name} {mode}: router counter",
+                )
+
+    @with_comms
+    def test_zero_tokens_on_a_rank_and_on_experts(self):
+        """dp2ep: ranks route 5, 3, 1 and 0 tokens, and the expert bias sends every token to
+        experts 0 and 1 (both on rank 0), so ranks 1 to 3 receive zero rows. Same results as the
+        single-device layer on each rank's tokens; every collective agrees on its sizes."""
+        cfg = make_config(Case(B=1, L=1, top_k=2, shared=1), aux_loss_coeff=0.0)
+        meshes = build_moe_meshes(dp=4, ep=4)
+        torch.manual_seed(0)
+        ref = MoE(cfg)
+        ref.router.expert_bias.copy_(torch.tensor([100.0, 100.0] + [0.0] * (E - 2)))
+        model = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False)
+        lengths = (5, 3, 1, 0)
+        xs = [torch.randn(1, n, D, generator=torch.Generator().manual_seed(n)) for n in lengths]
+        for x in xs:
+            _local_loss(ref(x)).backward()
+        x = xs[self.rank].clone().requires_grad_()
+        y = model(x)
+        _local_loss(y).backward()
+        x_ref = xs[self.rank].clone().requires_grad_()
+        close(y, copy.deepcopy(ref)(x_ref), "output")
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            grad = full(p.grad).clone()
+            if not isinstance(p, DTensor):
+                dist.all_reduce(grad)
+            close(grad, ref_params[name].grad, f"{name}.grad")
+        counts = model.router.tokens_per_expert.clone()
+        dist.all_reduce(counts)
+        self.assertEqual(counts.tolist(), [sum(lengths), sum(lengths)] + [0] * (E - 2))
+
+
+def _mismatched_routing(cfg, meshes, routing):
+    """An MoE whose PrepareMoEInput routing does not match its experts' style."""
+    moe = MoE(cfg)
+    if routing == "split":
+        parallelize_module(moe.experts, meshes.dense["tp"], ExpertTensorParallel())
+    else:
+        parallelize_module(moe.experts, meshes.expert["ep"], ExpertParallel())
+    return parallelize_module(moe, meshes.dense["tp"], PrepareMoEInput(routing=routing))
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -57,20 +57,21 @@ def torchrun_metrics(tmp_path_factory) -> dict:
 
 def test_torchrun_four_processes(torchrun_metrics):
     config = torchrun_metrics["config"]
-    layout = (config["world"], config["dp"], config["tp"], config["sequence_parallel"])
-    assert layout == (4, 2, 2, True)
+    layout = (config["world"], config["dp"], config["tp"], config["ep"], config["expert_tp"])
+    assert layout == (4, 2, 2, 2, False) and config["sequence_parallel"]
     assert len(torchrun_metrics["layout"]) >= 2  # params on several meshes
     assert len(torchrun_metrics["comparison"]["loss"]) == 6
 
 
 def test_plain_launch_other_layout(tmp_path):
     out = str(tmp_path / "out")
-    flags = "--nproc 2 --tp 2 --no-sp --no-balance --no-compare-balance".split()
+    flags = "--nproc 2 --tp 2 --ep 1 --no-sp --no-balance --no-compare-balance".split()
     cmd = [sys.executable, "-m", "dtensor_moe.demo", *flags, *SMALL, "--out", out]
     proc = _run(cmd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = _check_metrics(out, steps=6)
-    assert metrics["config"]["sequence_parallel"] is False and "comparison" not in metrics
+    assert metrics["config"]["expert_tp"] and not metrics["config"]["sequence_parallel"]
+    assert "comparison" not in metrics
 
 
 def test_invalid_layout_stops_before_starting(tmp_path):
@@ -98,6 +99,10 @@ def _resolve(flags: list[str], world: int = 4):
         (["--tp", "3"], 4, r"--tp 3 does not divide the 4 processes"),
         (["--heads", "6", "--dim", "48", "--tp", "4"], 4, r"--heads 6 is not divisible by --tp 4"),
         (["--experts", "6", "--ep", "4"], 4, r"--experts 6 is not divisible by --ep 4"),
+        (["--ep", "8"], 4, r"--ep 8 with --tp 2: EP borrows the tp ranks, .* --ep in \{2, 4\}"),
+        (["--ep", "4", "--expert-tp"], 4, r"--ep 4 does not divide --dp 2; with --expert-tp"),
+        (["--tp", "1", "--ep", "8"], 4, r"--ep 8 does not divide --dp 4; with --tp 1"),
+        (["--ep", "1", "--hidden", "63"], 4, r"--hidden 63 is not divisible by --tp 2"),
         (["--batch", "3"], 4, r"--batch 3 is not divisible by --dp 2"),
         (["--vocab", "63"], 4, r"--vocab 63 is not divisible by --tp 2"),
         (["--dim", "36", "--heads", "4"], 4, r"--dim 36 must be an even multiple of --heads 4"),
@@ -112,6 +117,8 @@ def test_invalid_flags_messages(flags, world, message):
 
 def test_defaults():
     config = _resolve([])
-    assert (config.world, config.dp, config.tp, config.sequence_parallel) == (4, 2, 2, True)
+    assert (config.world, config.dp, config.tp, config.ep) == (4, 2, 2, 2)
+    assert config.sequence_parallel and not config.expert_tp
+    assert _resolve(["--ep", "1"]).expert_tp  # experts then split over tp by expert TP
     assert config.balance and config.model.moe.use_expert_bias
     assert isinstance(build_parser().parse_args([]), argparse.Namespace)

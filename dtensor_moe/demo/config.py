@@ -7,7 +7,6 @@ Every check runs before any process is started (plain launch) or before any coll
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 
 from dtensor_moe import MoEConfig
@@ -30,6 +29,7 @@ class DemoConfig:
     dp: int
     ep: int
     tp: int
+    expert_tp: bool
     sequence_parallel: bool
     model: ModelConfig
     steps: int
@@ -49,7 +49,18 @@ class DemoConfig:
 
     def layout_line(self) -> str:
         sp = "on" if self.sequence_parallel and self.tp > 1 else "off"
-        return f"world={self.world}  dp={self.dp}  ep={self.ep}  tp={self.tp}  sp={sp}"
+        etp = self.tp if self.expert_tp else 1
+        experts = f"ep={self.ep}  etp={etp}  edp={self.world // (self.ep * etp)}"
+        return f"world={self.world}  dense: dp={self.dp}  tp={self.tp}  sp={sp}  experts: {experts}"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: x)`` unless the help text already explains a computed default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
             "torchrun (single- or multi-node) it takes RANK/WORLD_SIZE/LOCAL_RANK from the "
             "environment and --nproc is not used."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     layout = parser.add_argument_group("layout (dp * tp must equal the number of processes)")
     layout.add_argument(
@@ -89,8 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument(
         "--ep",
         type=int,
-        default=1,
-        help="expert-parallel degree: experts are split over this many ranks",
+        default=None,
+        help="expert-parallel degree: the experts are split over this many ranks, and tokens "
+        "move to them by all-to-all (default: tp, or 1 when tp does not divide --experts)",
+    )
+    layout.add_argument(
+        "--expert-tp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also split every expert's hidden dim over the tp ranks (EP x TP; ep then divides "
+        "dp). Off: EP borrows the tp ranks (ep a multiple of tp). Default: on only when ep "
+        "is 1 and tp > 1",
     )
     layout.add_argument(
         "--sp",
@@ -198,7 +218,7 @@ def _resolve_degrees(args: argparse.Namespace, world: int) -> tuple[int, int]:
     return dp, tp
 
 
-def _check_model(args: argparse.Namespace, dp: int, tp: int, ep: int) -> None:
+def _check_model(args: argparse.Namespace, dp: int, tp: int) -> None:
     if args.dim % args.heads != 0 or (args.dim // args.heads) % 2 != 0:
         _fail(
             f"--dim {args.dim} must be an even multiple of --heads {args.heads} "
@@ -219,32 +239,53 @@ def _check_model(args: argparse.Namespace, dp: int, tp: int, ep: int) -> None:
             f"--batch {args.batch} is not divisible by --dp {dp}; every data-parallel rank "
             f"takes batch / dp sequences (choose a multiple of {dp})"
         )
+    if args.top_k > args.experts:
+        _fail(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+
+
+def _resolve_experts(args: argparse.Namespace, dp: int, tp: int, hidden: int) -> tuple[int, bool]:
+    """``(ep, expert_tp)``, checked against the expert mesh (Note [MoE meshes] in
+    ``dtensor_moe/parallel/mesh.py``) and FSDP2's expert sharding."""
+    world = dp * tp
+    ep = args.ep if args.ep is not None else (tp if args.experts % tp == 0 else 1)
+    expert_tp = args.expert_tp if args.expert_tp is not None else (ep == 1 and tp > 1)
     if args.experts % ep != 0:
         _fail(
             f"--experts {args.experts} is not divisible by --ep {ep}; each ep rank holds "
             f"experts / ep experts (choose --ep in {{{_divisors(args.experts)}}})"
         )
-    if args.top_k > args.experts:
-        _fail(f"--top-k {args.top_k} exceeds --experts {args.experts}")
-
-
-def _check_expert_parallel(ep: int, dp: int, tp: int, world: int) -> None:
-    """EP needs the expert-parallel styles (issue 4) and a degree the meshes can hold."""
-    if ep == 1:
-        return
-    _fail(
-        f"--ep {ep}: expert parallelism needs dtensor_moe.parallel.ExpertParallel, which this "
-        "version does not ship yet; run with --ep 1 (the experts are then FSDP-sharded over dp)"
-    )
+    if (expert_tp or tp == 1) and dp % ep != 0:
+        where = "with --expert-tp" if tp > 1 else "with --tp 1"
+        _fail(
+            f"--ep {ep} does not divide --dp {dp}; {where} the experts are split over "
+            f"data-parallel ranks, so choose --ep in {{{_divisors(dp)}}}"
+        )
+    if not expert_tp and tp > 1 and (ep % tp != 0 or world % ep != 0):
+        eps = [e for e in range(tp, world + 1, tp) if world % e == 0]
+        _fail(
+            f"--ep {ep} with --tp {tp}: EP borrows the tp ranks, so ep must be a multiple of tp "
+            f"that divides the {world} processes; choose --ep in {{{', '.join(map(str, eps))}}} "
+            "or add --expert-tp"
+        )
+    etp = tp if expert_tp else 1
+    if expert_tp and hidden % etp != 0:
+        _fail(f"--hidden {hidden} is not divisible by --tp {tp}, which --expert-tp splits it over")
+    edp = world // (ep * etp)
+    if (args.experts // ep) % edp != 0 and (hidden % edp != 0 or args.dim % edp != 0):
+        _fail(
+            f"FSDP2 splits the {args.experts // ep} experts per ep rank over edp={edp} ranks "
+            f"by hidden unit, which needs --hidden {hidden} and --dim {args.dim} divisible by {edp}"
+        )
+    return ep, expert_tp
 
 
 def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
     """Check the flags for ``world`` processes; :class:`LayoutError` names the first problem."""
     _check_positive(args)
     dp, tp = _resolve_degrees(args, world)
-    _check_model(args, dp, tp, args.ep)
-    _check_expert_parallel(args.ep, dp, tp, world)
+    _check_model(args, dp, tp)
     hidden = args.hidden if args.hidden is not None else 2 * args.dim
+    ep, expert_tp = _resolve_experts(args, dp, tp, hidden)
     try:
         moe = MoEConfig(
             dim=args.dim,
@@ -261,8 +302,9 @@ def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
     return DemoConfig(
         world=world,
         dp=dp,
-        ep=args.ep,
+        ep=ep,
         tp=tp,
+        expert_tp=expert_tp,
         sequence_parallel=args.sp,
         model=model,
         steps=args.steps,
@@ -276,7 +318,3 @@ def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
         out=args.out,
         compare_balance=args.compare_balance,
     )
-
-
-def entropy_floor_note(vocab: int) -> str:
-    return f"(a model that ignores the data would stay at log(vocab) = {math.log(vocab):.3f})"

@@ -133,7 +133,7 @@ def _run(config: DemoConfig, start: float) -> int:
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
     chain = MarkovChain.random(config.model.vocab_size, seed=config.seed)
-    meshes = build_moe_meshes(dp=config.dp, ep=config.ep, tp=config.tp, expert_tp=config.ep == 1)
+    meshes = build_moe_meshes(dp=config.dp, ep=config.ep, tp=config.tp, expert_tp=config.expert_tp)
     model = build_model(config.model, config.seed)
     n_params = sum(p.numel() for p in model.parameters())
     apply_layout(model, meshes, sequence_parallel=config.sequence_parallel)

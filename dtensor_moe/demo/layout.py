@@ -22,21 +22,21 @@ distributed one, in three steps that only use public PyTorch and dtensor_moe API
    ``*.attention.wq/wk/wv``     ``ColwiseParallel``: ``heads / tp`` heads per rank
    ``*.attention.wo``           ``RowwiseParallel``: out ``Shard(1)`` (SP, reduce-scatter) or
                                 ``Replicate`` (all-reduce)
-   ``*.moe``                    see step 2
    ``output``                   ``ColwiseParallel``: logits all-gathered to ``Replicate``
    ===========================  =========================================================
 
-2. **The MoE layers.** Until the expert-parallel styles of ``dtensor_moe.parallel`` exist
-   (issue 4), every tp rank runs the whole MoE on the whole (all-gathered) sequence, and its
-   params are replicated over tp. That is the ``PrepareModuleInputOutput`` below; swapping in
-   EP / expert TP / the SP MoE-input style only changes this step.
+2. **The MoE layers** with :func:`dtensor_moe.parallel.plan.parallelize_moe` (see Note [MoE
+   plan] there): the experts split over ``"ep"`` with tokens moved by all-to-all
+   (``ExpertParallel``), or also over ``"etp"`` (``ExpertTensorParallel``, ``--expert-tp``);
+   on the tp mesh, ``PrepareMoEInput`` takes the residual layout (``Shard(1)`` or replicated)
+   and hands back the same. With EP borrowing the tp ranks each tp rank routes only its own
+   tokens (its sequence shard under SP), so no rank duplicates another's work.
 
 3. **FSDP2** with :func:`dtensor_moe.parallel.fsdp.fully_shard_moe`: the routed experts of each
    MoE on the expert mesh's ``"edp"`` dim, each block and then the root on the dense mesh's
-   ``"dp"`` dim. Params that step 1 made DTensors on the tp mesh end up on the 2-D
-   ``("dp", "tp")`` mesh, the router gates on the 1-D ``dp`` mesh and the experts on the 1-D
-   ``edp`` mesh. One fused AdamW and one :func:`dtensor_moe.clip_grad_norm_` then work across
-   all of them.
+   ``"dp"`` dim. The dense params end up on the 2-D ``("dp", "tp")`` mesh and the experts on
+   the ``("edp", "ep"[, "etp"])`` mesh. One fused AdamW and one
+   :func:`dtensor_moe.clip_grad_norm_` then work across both.
 """
 
 from __future__ import annotations
@@ -48,14 +48,13 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from dtensor_moe import MoEMeshes, parallelize_moe
 from dtensor_moe.demo.model import MoETransformer
-from dtensor_moe.parallel import MoEMeshes
 from dtensor_moe.parallel.fsdp import fully_shard_moe
 
 __all__ = ["apply_layout", "describe_layout"]
@@ -64,17 +63,19 @@ __all__ = ["apply_layout", "describe_layout"]
 def apply_layout(model: MoETransformer, meshes: MoEMeshes, *, sequence_parallel: bool) -> None:
     """Shard ``model`` in place for ``meshes``; see Note [Demo layout].
 
-    Collectives: only the process-group set-up that the meshes already did; the styles and
-    ``fully_shard`` communicate from the first forward on.
+    Collectives: the MoE styles check that the config agrees across ranks
+    (``all_gather_object``); everything else communicates from the first forward on.
     """
     sp = sequence_parallel and meshes.tp > 1
     if meshes.tp > 1:
         parallelize_module(model, meshes.dense["tp"], _tensor_parallel_plan(model, sp))
+    if meshes.tp > 1 or meshes.ep > 1:
+        parallelize_moe(model, meshes, sequence_parallel=sp)
     fully_shard_moe(model, meshes, blocks=model.layers)
 
 
 def _tensor_parallel_plan(model: MoETransformer, sp: bool) -> dict[str, ParallelStyle]:
-    """Step 1 and 2 of Note [Demo layout] as one ``parallelize_module`` plan."""
+    """Step 1 of Note [Demo layout] as one ``parallelize_module`` plan."""
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(
@@ -96,7 +97,6 @@ def _tensor_parallel_plan(model: MoETransformer, sp: bool) -> dict[str, Parallel
                 prefix + "attention.wo": RowwiseParallel(
                     output_layouts=seq, use_local_output=not sp
                 ),
-                prefix + "moe": _moe_style(seq),
             }
         )
         if sp:
@@ -106,18 +106,6 @@ def _tensor_parallel_plan(model: MoETransformer, sp: bool) -> dict[str, Parallel
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),)
             )
     return plan
-
-
-def _moe_style(seq: Shard | Replicate) -> ParallelStyle:
-    """The MoE's style on the tp mesh: the whole sequence in, the residual layout back out."""
-    return PrepareModuleInputOutput(
-        input_layouts=(seq,),
-        desired_input_layouts=(Replicate(),),
-        use_local_input=True,
-        output_layouts=(Replicate(),),
-        desired_output_layouts=(seq,),
-        use_local_output=isinstance(seq, Replicate),
-    )
 
 
 _PARAM_KINDS = (  # (name fragment, what to call it), first match wins

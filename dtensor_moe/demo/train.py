@@ -68,8 +68,8 @@ def _routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:
 def _expert_counts(model: nn.Module, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Tokens routed to each expert of each layer this step, summed over ``group``: (M, E).
 
-    Without sequence parallelism the tp ranks route the same tokens, so the sum counts each
-    token ``tp`` times; shares and the max/mean ratio are unaffected.
+    Every token is counted by exactly one rank (Note [Global router statistics] in
+    ``dtensor_moe/parallel/token_parallel.py``), so the sum is the global count.
     """
     counts_ME = torch.stack([r.tokens_per_expert for r in _routers(model)]).to(torch.float64)
     if group is not None:

@@ -168,7 +168,7 @@ def _run(config: DemoConfig, start: float) -> int:
         f"wrote {', '.join(written)}"
         + ("" if len(written) > 1 else " (pip install matplotlib for training.png)")
     )
-    say(f"wall time {wall:.1f} s")
+    say(f"wall time {wall:.1f} s (from the start of main, after the imports)")
     return 0 if summary.parity_ok else 1
 
 

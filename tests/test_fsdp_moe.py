@@ -14,6 +14,7 @@ import dtensor_moe
 from dtensor_moe.parallel import build_moe_meshes
 from dtensor_moe.parallel.fsdp import expert_shard_dim, fully_shard_moe
 from tests._dist import DistTestBase
+from tests._moe_layouts import PARITY_LAYOUTS, build_layout, local_rows
 from tests._moe_model import global_batch, lm_loss, make_model
 
 STEPS = 5
@@ -113,20 +114,70 @@ class FSDPMoETest(DistTestBase):
         return losses
 
     @with_comms
-    def test_dp4_grads_match_single_device(self):
-        """Every gradient after one backward, FSDP-reduced, against the single-device grads."""
-        meshes = build_moe_meshes(dp=4, ep=1)
-        ref = make_model()
-        model = copy.deepcopy(ref)
-        fully_shard_moe(model, meshes, blocks=model.layers)
-        tokens = global_batch(0, batch=8, seq_len=6)
-        lm_loss(model, tokens[2 * self.rank: 2 * self.rank + 2]).backward()
-        lm_loss(ref, tokens).backward()
-        ref_params = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            got, want = p.grad.full_tensor(), ref_params[name].grad
-            scale = want.abs().max().item()
-            self.assertLessEqual((got - want).abs().max().item(), RTOL * scale, name)
+    def test_parallel_layouts_match_single_device(self):
+        """FSDP2 + EP/TP/SP layouts: 5 steps of forward, backward, clip and one fused AdamW."""
+        for name in PARITY_LAYOUTS:
+            for seq_len in (6, 7):  # 7 tokens per sequence do not split evenly over tp=2
+                ref = make_model()
+                model, opt = build_layout(name, copy.deepcopy(ref))
+                meshes_seen = {str(p.device_mesh) for p in model.parameters()}
+                self.assertGreaterEqual(len(meshes_seen), 2, f"{name}: {meshes_seen}")
+                batches = [global_batch(s, batch=8, seq_len=seq_len) for s in range(STEPS)]
+                rows = local_rows(name, self.rank, 8)
+                losses = self._train(model, opt, batches, local_rows=rows)
+                ref_losses = self._reference(ref, batches)
+                label = f"{name}, L={seq_len}"
+                for step, (got, want) in enumerate(zip(losses, ref_losses)):
+                    torch.testing.assert_close(
+                        _avg(got), want, rtol=RTOL, atol=ATOL,
+                        msg=lambda m, s=step: f"{label} loss {s}: {m}",
+                    )
+                self._assert_params_match(model, ref, label)
+
+    @with_comms
+    def test_gloo_needs_sum_reduction_for_expert_divide_factor(self):
+        """Why fully_shard_moe forces SUM reductions on CPU: gloo has no PREMUL_SUM."""
+        from torch.distributed.fsdp import fully_shard
+
+        meshes = build_moe_meshes(dp=4, ep=2)
+        layer = torch.nn.Linear(4, 4)
+        fully_shard(layer, mesh=meshes.expert["edp"])
+        layer.set_gradient_divide_factor(4.0)  # edp has 2 ranks: FSDP picks PREMUL_SUM
+        with self.assertRaisesRegex(RuntimeError, "PREMUL_SUM with Gloo"):
+            layer(torch.ones(2, 4)).sum().backward()
+        dist.barrier()
+
+    @with_comms
+    def test_forced_sum_divides_twice_on_one_rank_groups(self):
+        """Why fully_shard_moe does not force SUM when edp == 1 (torch 2.13 divides twice)."""
+        from torch.distributed.fsdp import fully_shard
+
+        meshes = build_moe_meshes(dp=4, ep=4)  # edp == 1
+        for force_sum, expected in ((False, 0.25), (True, 0.0625)):
+            torch.manual_seed(0)
+            layer = torch.nn.Linear(4, 1, bias=False)
+            fully_shard(layer, mesh=meshes.expert["edp"])
+            layer.set_gradient_divide_factor(4.0)
+            layer.set_force_sum_reduction_for_comms(force_sum)
+            layer(torch.ones(1, 4)).sum().backward()
+            torch.testing.assert_close(layer.weight.grad.full_tensor(),
+                                       torch.full((1, 4), expected))
+
+    @with_comms
+    def test_grads_match_single_device(self):
+        """Every gradient after one backward, reduced as documented, against the reference."""
+        for name in ("dp4",) + PARITY_LAYOUTS:
+            ref = make_model()
+            model, _ = build_layout(name, copy.deepcopy(ref))
+            tokens = global_batch(0, batch=8, seq_len=7)
+            lm_loss(model, tokens[local_rows(name, self.rank, 8)]).backward()
+            lm_loss(ref, tokens).backward()
+            ref_params = dict(ref.named_parameters())
+            for pname, p in model.named_parameters():
+                got, want = _full(p.grad), ref_params[pname].grad
+                scale = want.abs().max().item()
+                err = (got - want).abs().max().item()
+                self.assertLessEqual(err, RTOL * scale, f"{name}: grad of {pname}: {err} vs {scale}")
 
     @with_comms
     def test_grad_accumulation_and_one_bias_update_per_step(self):

@@ -55,7 +55,8 @@ def local_rows(name: str, rank: int, batch: int) -> slice:
     return slice(dp_rank * per, (dp_rank + 1) * per)
 
 
-def build_layout(name: str, model: nn.Module, lr: float = 1e-3):
+def build_layout(name: str, model: nn.Module, lr: float = 1e-3, optimizer: str = "AdamW",
+                 **opt_kwargs):
     layout = LAYOUTS[name]
     meshes = build_moe_meshes(dp=layout.dp, ep=layout.ep, tp=layout.tp,
                               expert_tp=layout.expert_tp)
@@ -65,4 +66,5 @@ def build_layout(name: str, model: nn.Module, lr: float = 1e-3):
     if layout.tp > 1 or layout.ep > 1:
         parallelize_moe(model, meshes, sequence_parallel=layout.sequence_parallel)
     fully_shard_moe(model, meshes, blocks=model.layers)
-    return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=lr, fused=True, **opt_kwargs)
+    return model, opt

@@ -73,33 +73,33 @@ class FSDPMoETest(DistTestBase):
             )
 
     @with_comms
-    def test_dp4_fused_optimizers_match_single_device(self):
-        """dp4 (experts FSDP-sharded on edp=4, dense on dp=4): AdamW, SGD and Adagrad fused."""
-        meshes = build_moe_meshes(dp=4, ep=1)
+    def test_fused_optimizers_match_single_device(self):
+        """AdamW, SGD and Adagrad (fused) step whole models whose params sit on two meshes."""
         batches = [global_batch(s, batch=8, seq_len=6) for s in range(STEPS)]
-        rows = slice(2 * self.rank, 2 * self.rank + 2)
-        for opt_name, kwargs in (("AdamW", {"lr": 1e-3}),
-                                 ("SGD", {"lr": 1e-1, "momentum": 0.9}),
-                                 # Adagrad's first steps divide by |g| itself, which turns the
-                                 # 1e-7 reduction-order differences of near-zero gradient entries
-                                 # into O(lr) differences; a nonzero initial accumulator keeps
-                                 # the comparison about the distributed step (grads are also
-                                 # compared directly in test_dp4_grads_match_single_device).
-                                 ("Adagrad", {"lr": 1e-1, "initial_accumulator_value": 0.1})):
+        cases = (
+            ("dp4", "AdamW", {"lr": 1e-3}),
+            ("dp4", "SGD", {"lr": 1e-1, "momentum": 0.9}),
+            ("dp2_tp2_ep4_sp", "SGD", {"lr": 1e-1, "momentum": 0.9, "nesterov": True}),
+            # Adagrad's first steps divide by |g| itself, which turns the 1e-7 reduction-order
+            # differences of near-zero gradient entries into O(lr) differences; a nonzero
+            # initial accumulator keeps the comparison about the distributed step (grads are
+            # compared directly in test_grads_match_single_device).
+            ("dp4", "Adagrad", {"lr": 1e-1, "initial_accumulator_value": 0.1}),
+            ("dp4_ep2", "Adagrad", {"lr": 1e-1, "initial_accumulator_value": 0.1}),
+        )
+        for layout, opt_name, kwargs in cases:
             ref = make_model()
-            model = copy.deepcopy(ref)
-            fully_shard_moe(model, meshes, blocks=model.layers)
-            opt = getattr(torch.optim, opt_name)(model.parameters(), fused=True, **kwargs)
-            ref_opt_cls = getattr(torch.optim, opt_name)
+            model, opt = build_layout(layout, copy.deepcopy(ref), optimizer=opt_name, **kwargs)
             # a single param group spans both meshes
             meshes_seen = {str(p.device_mesh) for p in model.parameters()}
-            self.assertEqual(len(meshes_seen), 2, meshes_seen)
-            losses = self._train(model, opt, batches, local_rows=rows)
-            ref_losses = self._reference_with(ref, batches, ref_opt_cls, kwargs)
+            self.assertGreaterEqual(len(meshes_seen), 2, meshes_seen)
+            losses = self._train(model, opt, batches, local_rows=local_rows(layout, self.rank, 8))
+            ref_losses = self._reference_with(ref, batches, getattr(torch.optim, opt_name), kwargs)
+            label = f"{layout}/{opt_name}"
             for step, (got, want) in enumerate(zip(losses, ref_losses)):
                 torch.testing.assert_close(_avg(got), want, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, s=step: f"{opt_name} loss {s}: {m}")
-            self._assert_params_match(model, ref, opt_name)
+                                           msg=lambda m, s=step: f"{label} loss {s}: {m}")
+            self._assert_params_match(model, ref, label)
 
     def _reference_with(self, ref, batches, opt_cls, kwargs):
         opt = opt_cls(ref.parameters(), fused=True, **kwargs)

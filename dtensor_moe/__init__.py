@@ -13,6 +13,7 @@ from dtensor_moe.parallel import (
     MoEMeshes,
     PrepareMoEInput,
     build_moe_meshes,
+    fully_shard_moe,
     parallelize_moe,
 )
 
@@ -25,6 +26,7 @@ __all__ = [
     "PrepareMoEInput",
     "build_moe_meshes",
     "clip_grad_norm_",
+    "fully_shard_moe",
     "parallelize_moe",
     "register_strategies",
 ]

@@ -214,6 +214,21 @@ class FSDPMoETest(DistTestBase):
                 torch.testing.assert_close(buf, ref_buffers[name], rtol=0, atol=1e-7)
 
     @with_comms
+    def test_errors(self):
+        meshes = build_moe_meshes(dp=4, ep=1)
+        with self.assertRaisesRegex(TypeError, "expects the MoEMeshes of build_moe_meshes"):
+            fully_shard_moe(make_model(), meshes.dense)
+        other = make_model()
+        with self.assertRaisesRegex(ValueError, "strict submodule of the model; got TinyMoELM"):
+            fully_shard_moe(make_model(), meshes, blocks=[other])
+        with self.assertRaisesRegex(ValueError, r"shard on dim 1, which needs hidden_dim \(30\)"):
+            fully_shard_moe(make_model(num_experts=2, hidden_dim=30), meshes)
+        model = make_model()
+        fully_shard_moe(model, meshes)
+        with self.assertRaisesRegex(ValueError, "already sharded with fully_shard"):
+            fully_shard_moe(model, meshes)
+
+    @with_comms
     def test_expert_shard_dim_for_small_expert_counts(self):
         meshes = build_moe_meshes(dp=4, ep=1)
         self.assertEqual(expert_shard_dim(4, meshes), 0)

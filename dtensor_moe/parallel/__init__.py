@@ -4,6 +4,7 @@ See ``docs/parallelism.md``.
 """
 
 from dtensor_moe.parallel.dispatch import AllToAllMetadata, AllToAllTokenDispatcher
+from dtensor_moe.parallel.fsdp import expert_shard_dim, fully_shard_moe
 from dtensor_moe.parallel.mesh import MoEMeshes, build_moe_meshes
 from dtensor_moe.parallel.padding import ShardDim, TokenShardMeta
 from dtensor_moe.parallel.plan import parallelize_moe
@@ -21,5 +22,7 @@ __all__ = [
     "TokenParallelForward",
     "TokenShardMeta",
     "build_moe_meshes",
+    "expert_shard_dim",
+    "fully_shard_moe",
     "parallelize_moe",
 ]

@@ -192,7 +192,9 @@ def _single_process_runs(config: DemoConfig, chain: MarkovChain, rank: int) -> d
     return runs
 
 
-def _print_header(say, config: DemoConfig, n_params: int, mesh_lines: list[str], chain) -> None:
+def _print_header(
+    say, config: DemoConfig, n_params: int, mesh_lines: list[str], chain: MarkovChain
+) -> None:
     m = config.model
     say(
         f"dtensor_moe demo: {m.n_layers}-layer MoE transformer (dim {m.dim}, {m.n_heads} heads, "

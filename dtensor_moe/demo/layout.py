@@ -25,14 +25,15 @@ distributed one, in three steps that only use public PyTorch and dtensor_moe API
    ``output``                   ``ColwiseParallel``: logits all-gathered to ``Replicate``
    ===========================  =========================================================
 
-2. **The MoE layers** with :func:`dtensor_moe.parallel.plan.parallelize_moe` (see Note [MoE
-   plan] there): the experts split over ``"ep"`` with tokens moved by all-to-all
-   (``ExpertParallel``), or also over ``"etp"`` (``ExpertTensorParallel``, ``--expert-tp``);
+2. **The MoE layers** with :func:`dtensor_moe.parallelize_moe` (Note [MoE plan] in
+   ``dtensor_moe/parallel/plan.py``): the experts split over ``"ep"`` with tokens moved by
+   all-to-all (``ExpertParallel``), or also over ``"etp"`` (``ExpertTensorParallel``,
+   ``--expert-tp``);
    on the tp mesh, ``PrepareMoEInput`` takes the residual layout (``Shard(1)`` or replicated)
    and hands back the same. With EP borrowing the tp ranks each tp rank routes only its own
    tokens (its sequence shard under SP), so no rank duplicates another's work.
 
-3. **FSDP2** with :func:`dtensor_moe.parallel.fsdp.fully_shard_moe`: the routed experts of each
+3. **FSDP2** with :func:`dtensor_moe.fully_shard_moe`: the routed experts of each
    MoE on the expert mesh's ``"edp"`` dim, each block and then the root on the dense mesh's
    ``"dp"`` dim. The dense params end up on the 2-D ``("dp", "tp")`` mesh and the experts on
    the ``("edp", "ep"[, "etp"])`` mesh. One fused AdamW and one
@@ -53,9 +54,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtensor_moe import MoEMeshes, parallelize_moe
+from dtensor_moe import MoEMeshes, fully_shard_moe, parallelize_moe
 from dtensor_moe.demo.model import MoETransformer
-from dtensor_moe.parallel.fsdp import fully_shard_moe
 
 __all__ = ["apply_layout", "describe_layout"]
 

@@ -31,10 +31,11 @@ BATCH, SEQ = 8, 6
 CONFIG = {"use_expert_bias": True}
 
 
-def _step(model, opt, tokens, *, group) -> torch.Tensor:
+def _step(model, opt, tokens, *, group=None, clip=dtensor_moe.clip_grad_norm_) -> torch.Tensor:
+    """One training step; the reference passes torch's own clip and no process group."""
     loss = lm_loss(model, tokens)
     loss.backward()
-    dtensor_moe.clip_grad_norm_(model.parameters(), 1.0)
+    clip(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
     update_expert_bias(model, BIAS_RATE, process_group=group)
@@ -44,15 +45,10 @@ def _step(model, opt, tokens, *, group) -> torch.Tensor:
 def _reference_losses(steps: int) -> tuple[list[torch.Tensor], torch.nn.Module]:
     ref = make_model(**CONFIG)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
-    losses = []
-    for s in range(steps):
-        loss = lm_loss(ref, global_batch(s, BATCH, SEQ))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        update_expert_bias(ref, BIAS_RATE)
-        losses.append(loss.detach())
+    losses = [
+        _step(ref, opt, global_batch(s, BATCH, SEQ), clip=torch.nn.utils.clip_grad_norm_)
+        for s in range(steps)
+    ]
     return losses, ref
 
 
@@ -120,13 +116,8 @@ class CheckpointReshardTest(DistTestBase):
         steps = [s["step"].item() for s in opt.state.values()]
         self.assertEqual(set(steps), {2.0})
         for s in range(2, 5):
-            loss = lm_loss(model, global_batch(s, BATCH, SEQ))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            update_expert_bias(model, BIAS_RATE)
-            torch.testing.assert_close(loss.detach(), ref_losses[s], rtol=RTOL, atol=0.0)
+            loss = _step(model, opt, global_batch(s, BATCH, SEQ), clip=torch.nn.utils.clip_grad_norm_)
+            torch.testing.assert_close(loss, ref_losses[s], rtol=RTOL, atol=0.0)
 
     @with_comms
     def test_reshard_save_and_resume(self):

@@ -130,16 +130,19 @@ class FusedOptimizerAcrossMeshesTest(DistTestBase):
         grads = distribute(full_grads(0), meshes)
         # slot 4 lives on the tp sub-mesh; give it a grad on the world mesh instead
         grads[4] = distribute_tensor(full_grads(0)[4], meshes["world"], [Replicate()])
+        # slot 0 needs a reduce-scatter, which must not start before the error is found
+        grads[0] = partial_grad(full_grads(0)[0], meshes["world"], self.rank, self.world_size)
         for p, g in zip(params, grads):
             p.grad = g
         opt = torch.optim.Adam(params, lr=0.01, fused=True)
-        with self.assertRaisesRegex(
+        with CommDebugMode() as mode, self.assertRaisesRegex(
             ValueError,
             r"slot 4 of 'grads' does not follow param 4: it is on a different device mesh.*"
             r"param 4 is a DTensor on DeviceMesh\(.*tp.*'grads'\[4\] is a DTensor on "
             r"DeviceMesh\(.*world",
         ):
             opt.step()
+        self.assertEqual(mode.get_total_counts(), 0)
         # every rank raised before any collective: a barrier completes, nothing hangs
         dist.barrier()
 

@@ -98,7 +98,8 @@ class FusedOpLayout:
 def fused_op_layout(op: torch._ops.OpOverload) -> FusedOpLayout:
     """Build (once per overload) the :class:`FusedOpLayout` of ``op`` from ``op._schema``."""
     list_args, scalar_args = [], []
-    for pos, arg in enumerate(op._schema.arguments):
+    schema = _compat.schema_of(op)
+    for pos, arg in enumerate(schema.arguments):
         type_str = str(arg.type)
         entry = (arg.name, pos, arg.kwarg_only)
         if type_str == "List[Tensor]":
@@ -114,7 +115,7 @@ def fused_op_layout(op: torch._ops.OpOverload) -> FusedOpLayout:
         op=op,
         list_args=tuple(list_args),
         scalar_args=tuple(scalar_args),
-        num_result_lists=len(op._schema.returns),
+        num_result_lists=len(schema.returns),
     )
 
 
@@ -156,13 +157,17 @@ class _WriteBack:
     aligned: DTensor
 
 
-def _align_slot(op, arg: str, slot: int, param, value, write_backs: list):
-    """Return the local tensor of ``value`` laid out like ``param``; see Note [Per-slot rule]."""
+def _slot_target(op, arg: str, slot: int, param, value) -> tuple | None:
+    """Validate one slot (no communication); see Note [Per-slot rule].
+
+    Returns ``None`` when ``value`` can be used as it is, else the placements (on the param's
+    mesh) to redistribute it to.
+    """
     p_is_dt = isinstance(param, DTensor)
     if not isinstance(value, DTensor):
         if p_is_dt and value.dim() != 0:
             raise _slot_error(op, arg, slot, param, value, "mixes DTensor and torch.Tensor")
-        return value, None
+        return None
     if not p_is_dt:
         raise _slot_error(op, arg, slot, param, value, "mixes torch.Tensor and DTensor")
     p_spec, v_spec = _compat.spec_of(param), _compat.spec_of(value)
@@ -177,15 +182,24 @@ def _align_slot(op, arg: str, slot: int, param, value, write_backs: list):
         )
     else:
         target = p_spec.placements
-    if v_spec.placements == target:
-        return _compat.local_tensor(value), v_spec
-    aligned = value.redistribute(p_spec.mesh, target)
-    write_backs.append(_WriteBack(original=value, aligned=aligned))
-    return _compat.local_tensor(aligned), _compat.spec_of(aligned)
+    return None if v_spec.placements == target else target
 
 
-def _local_list(op, arg: str, params: list, p_specs, values: list, write_backs: list, specs_out):
-    """Localize one tensor list slot by slot; the fast path is a single pass of cheap checks."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _PendingList:
+    """A validated list with slots still to redistribute (after every list is validated)."""
+
+    params: list
+    values: list
+    targets: list
+
+
+def _local_list(op, arg: str, params: list, p_specs, values: list, specs_out):
+    """Localize one tensor list, or validate it and return a :class:`_PendingList`.
+
+    The fast path is a few C-level passes (Note [Aligned-slot cache]); no communication
+    happens here, so every error is raised before the first collective of the step.
+    """
     if len(values) == 0:
         return []
     if values is params and p_specs is not None:  # the params themselves: nothing to align
@@ -200,13 +214,27 @@ def _local_list(op, arg: str, params: list, p_specs, values: list, write_backs: 
     fast = _compat.locals_if_aligned(p_specs, values, specs_out, slot_key=(op, arg))
     if fast is not None:
         return fast
+    targets = [_slot_target(op, arg, i, p, v) for i, (p, v) in enumerate(zip(params, values))]
+    return _PendingList(params=params, values=values, targets=targets)
+
+
+def _resolve(pending: _PendingList, write_backs: list, specs_out) -> list:
+    """Redistribute the slots of ``pending`` that need it, each on its own param's mesh."""
     local = []
-    for slot, (param, value) in enumerate(zip(params, values)):
-        t, spec = _align_slot(op, arg, slot, param, value, write_backs)
-        local.append(t)
+    for param, value, target in zip(pending.params, pending.values, pending.targets):
+        if target is not None:
+            value = _redistribute(value, param, target, write_backs)
+        is_dt = isinstance(value, DTensor)
+        local.append(_compat.local_tensor(value) if is_dt else value)
         if specs_out is not None:
-            specs_out.append(spec)
+            specs_out.append(_compat.spec_of(value) if is_dt else None)
     return local
+
+
+def _redistribute(value: DTensor, param: DTensor, target: tuple, write_backs: list) -> DTensor:
+    aligned = value.redistribute(_compat.spec_of(param).mesh, target)
+    write_backs.append(_WriteBack(original=value, aligned=aligned))
+    return aligned
 
 
 def _local_scalar(op, name: str, value):
@@ -260,21 +288,27 @@ def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict
     new_args, new_kwargs = list(args), dict(kwargs)
     params = _get_arg(args, kwargs, *layout.list_args[0])
     p_specs = _compat.dtensor_specs(params, canonical_key=op)
-    write_backs: list[_WriteBack] = []
-    specs_per_list = []
-    for name, pos, kwarg_only in layout.list_args:
+    specs_per_list: list[list] = []
+    pending: list[tuple] = []
+    for name, pos, kwarg_only in layout.list_args:  # validate everything, no communication
         values = _get_arg(args, kwargs, name, pos, kwarg_only)
         if values is None:
             continue
         specs = [] if len(specs_per_list) < layout.num_result_lists else None
-        local = _local_list(op, name, params, p_specs, values, write_backs, specs)
         if specs is not None:
-            specs_per_list.append(specs if len(local) else [])
-        _set_arg(new_args, new_kwargs, name, pos, kwarg_only, local)
+            specs_per_list.append(specs)
+        local = _local_list(op, name, params, p_specs, values, specs)
+        if isinstance(local, _PendingList):
+            pending.append((name, pos, kwarg_only, local, specs))
+        else:
+            _set_arg(new_args, new_kwargs, name, pos, kwarg_only, local)
     for name, pos, kwarg_only in layout.scalar_args:
         value = _get_arg(args, kwargs, name, pos, kwarg_only)
         if value is not None:
             _set_arg(new_args, new_kwargs, name, pos, kwarg_only, _local_scalar(op, name, value))
+    write_backs: list[_WriteBack] = []
+    for name, pos, kwarg_only, plan, specs in pending:  # then align, each on its own mesh
+        _set_arg(new_args, new_kwargs, name, pos, kwarg_only, _resolve(plan, write_backs, specs))
     result = (kernel or op)(*new_args, **new_kwargs)
     _write_back(write_backs)
     if layout.num_result_lists == 0:

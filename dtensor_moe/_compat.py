@@ -28,6 +28,7 @@ __all__ = [
     "patch_torch_function",
     "locals_if_aligned",
     "replace_dtensor_storage",
+    "schema_of",
     "spec_of",
     "splits_tensor",
 ]
@@ -42,6 +43,11 @@ def custom_op_handlers() -> dict[torch._ops.OpOverload, OpHandler]:
     checks this table too, so a handler here skips sharding propagation entirely.
     """
     return DTensor._op_dispatcher._custom_op_handlers
+
+
+def schema_of(op: torch._ops.OpOverload) -> torch._C.FunctionSchema:
+    """``OpOverload._schema``: argument names, types and positions of an aten overload."""
+    return op._schema
 
 
 def clear_sharding_prop_cache() -> None:

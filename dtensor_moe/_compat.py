@@ -21,6 +21,7 @@ __all__ = [
     "device_has_foreach_support",
     "dtensor_from_local_spec",
     "dtensor_specs",
+    "flatten_mesh",
     "in_backward_pass",
     "local_tensor",
     "local_tensors",
@@ -236,3 +237,13 @@ def splits_tensor(placement) -> bool:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+def flatten_mesh(mesh):
+    """A 1-D mesh over all ranks of ``mesh``, in row-major order (``DeviceMesh._flatten``).
+
+    Used for the all-to-all of expert tensor parallelism over a 2-D ``(ep, etp)`` mesh. Torch
+    creates the process groups of every such sub-mesh on every rank and caches the result, so
+    calling it on each rank, in the same order, is safe and cheap after the first call.
+    """
+    return mesh if mesh.ndim == 1 else mesh._flatten()

@@ -50,13 +50,16 @@ BIAS_RATE = 1e-2
 class Layout:
     meshes: dict
     sequence_parallel: bool
+    expert_tp_dispatch: str = "all_to_all"
 
 
 LAYOUTS = {
     "ep2": Layout({"dp": 4, "ep": 2}, False),  # EP over data ranks, edp 2
     "ep4": Layout({"dp": 4, "ep": 4}, False),  # dp2ep
     "etp2": Layout({"dp": 2, "ep": 1, "tp": 2, "expert_tp": True}, True),  # expert TP, SP input
+    "etp2_gather": Layout({"dp": 2, "ep": 1, "tp": 2, "expert_tp": True}, False, "gather"),
     "ep2tp2": Layout({"dp": 2, "ep": 2, "tp": 2, "expert_tp": True}, True),  # EP x TP
+    "ep2tp2_gather": Layout({"dp": 2, "ep": 2, "tp": 2, "expert_tp": True}, True, "gather"),
     "sp2ep2": Layout({"dp": 2, "ep": 2, "tp": 2}, True),  # SP2, EP borrows TP
     "tp2ep2": Layout({"dp": 2, "ep": 2, "tp": 2}, False),  # TP2 (Replicate input), EP borrows TP
     "sp2ep4": Layout({"dp": 2, "ep": 4, "tp": 2}, True),  # SP2, EP over tp and dp ranks
@@ -146,7 +149,10 @@ class ParallelRun:
         torch.manual_seed(0)
         self.ref = MoE(make_config(case, **config))
         self.model = parallelize_moe(
-            copy.deepcopy(self.ref), self.meshes, sequence_parallel=layout.sequence_parallel
+            copy.deepcopy(self.ref),
+            self.meshes,
+            sequence_parallel=layout.sequence_parallel,
+            expert_tp_dispatch=layout.expert_tp_dispatch,
         )
         dp, B = self.meshes.dp, case.B
         self.X = torch.randn(dp * B, case.L, D)
@@ -228,10 +234,12 @@ class ParallelMoEParityTest(DistTestBase):
     @with_comms
     def test_expert_tp2(self):
         self._run_layout("etp2")
+        self._run_layout("etp2_gather")
 
     @with_comms
     def test_ep2_x_tp2(self):
         self._run_layout("ep2tp2")
+        self._run_layout("ep2tp2_gather")
 
     @with_comms
     def test_sp2_ep_borrows_tp(self):

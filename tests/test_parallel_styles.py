@@ -45,7 +45,12 @@ def _build(name: str, case: Case, **config):
     meshes = build_moe_meshes(**layout.meshes)
     torch.manual_seed(0)
     model = MoE(make_config(case, **config))
-    parallelize_moe(model, meshes, sequence_parallel=layout.sequence_parallel)
+    parallelize_moe(
+        model,
+        meshes,
+        sequence_parallel=layout.sequence_parallel,
+        expert_tp_dispatch=layout.expert_tp_dispatch,
+    )
     return model, meshes, layout
 
 
@@ -67,7 +72,8 @@ class ParallelStylesTest(DistTestBase):
     @with_comms
     def test_collective_counts_per_layout(self):
         """Forward and backward collectives of one training step, per layout (B=2, L=7, top-2,
-        one shared expert, aux loss on). A stray all-gather shows up as a diff here."""
+        one shared expert, aux loss on: the forward all_reduce of "split" routing is the
+        per-sequence router statistics). A stray all-gather shows up as a diff here."""
         lines = []
         for name in LAYOUTS:
             model, meshes, layout = _build(name, COUNT_CASE)
@@ -83,8 +89,10 @@ class ParallelStylesTest(DistTestBase):
             """\
 ep2: forward all_to_all_single=3 | backward all_to_all_single=2
 ep4: forward all_to_all_single=3 | backward all_to_all_single=2
-etp2: forward all_gather_into_tensor=1 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 reduce_scatter_tensor=1
-ep2tp2: forward all_gather_into_tensor=1 all_to_all_single=3 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 all_to_all_single=2 reduce_scatter_tensor=1
+etp2: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2
+etp2_gather: forward all_reduce=1 | backward all_reduce=1
+ep2tp2: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2
+ep2tp2_gather: forward all_gather_into_tensor=1 all_to_all_single=3 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 all_to_all_single=2 reduce_scatter_tensor=1
 sp2ep2: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2
 tp2ep2: forward all_gather_into_tensor=1 all_reduce=1 all_to_all_single=3 | backward all_gather_into_tensor=1 all_to_all_single=2
 sp2ep4: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2""",
@@ -115,7 +123,7 @@ sp2ep4: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2"
             (
                 "ExpertTensorParallel on a 3-D mesh",
                 lambda: parallelize_module(MoE(cfg).experts, cube, ExpertTensorParallel()),
-                r"ExpertTensorParallel needs a 1-D or 2-D DeviceMesh, got a 3-D mesh",
+                r"ExpertTensorParallel\(dispatch='all_to_all'\) needs a 1-D or 2-D DeviceMesh, got a 3-D mesh",
             ),
             (
                 "PrepareMoEInput on a 2-D mesh",
@@ -225,7 +233,7 @@ sp2ep4: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2"
                 ),
             ),
             (
-                "split routing with expert-TP experts",
+                "split routing with gathering expert-TP experts",
                 lambda: split_etp(x_s1),
                 r"routing='split'\) routes different tokens .* ExpertParallel over an EP mesh",
             ),
@@ -318,7 +326,7 @@ def _mismatched_routing(cfg, meshes, routing):
     """An MoE whose PrepareMoEInput routing does not match its experts' style."""
     moe = MoE(cfg)
     if routing == "split":
-        parallelize_module(moe.experts, meshes.dense["tp"], ExpertTensorParallel())
+        parallelize_module(moe.experts, meshes.dense["tp"], ExpertTensorParallel(dispatch="gather"))
     else:
         parallelize_module(moe.experts, meshes.expert["ep"], ExpertParallel())
     return parallelize_module(moe, meshes.dense["tp"], PrepareMoEInput(routing=routing))

@@ -77,28 +77,53 @@ class AllToAllMetadata(DispatchMetadata):
     received_row_M1: torch.Tensor
 
 
+def replicate_over_etp(
+    topk_ids_TK: torch.Tensor, counts_E: torch.Tensor, *, experts_per_rank: int, replicas: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Destination ids of every (token, expert, replica) row and their counts.
+
+    See Note [Expert TP by all-to-all]. Returns ``ids_TX`` of shape ``(T, K * replicas)``
+    (``k``-major, replica-minor), holding ``q * e + local_expert`` for destination rank ``q``,
+    and ``counts_X`` (``(P * e,)``): ``counts_E`` with each EP rank's block repeated
+    ``replicas`` times.
+    """
+    e, R = experts_per_rank, replicas
+    g_TK1 = topk_ids_TK.unsqueeze(-1)
+    j = torch.arange(R, device=topk_ids_TK.device)
+    ids_TKR = (torch.div(g_TK1, e, rounding_mode="floor") * R + j) * e + g_TK1.remainder(e)
+    ep = counts_E.numel() // e
+    counts_X = counts_E.view(ep, 1, e).expand(ep, R, e).reshape(-1)
+    return ids_TKR.flatten(1), counts_X
+
+
 class AllToAllTokenDispatcher(TokenDispatcher):
-    """Expert-parallel dispatch and combine over a 1-D EP mesh; see Note [All-to-all dispatch].
+    """Expert-parallel dispatch and combine over a 1-D mesh; see Note [All-to-all dispatch].
 
     Keyword Args:
-        num_experts: ``E``, routed experts in the whole layer (divisible by the EP size).
-        ep_mesh: 1-D mesh whose ranks hold ``E // ep`` experts each, in rank order; ``None``
-            means no exchange (all experts local), as for expert tensor parallelism alone.
-        partial_mesh: 1-D mesh over which the expert outputs are partial sums (expert tensor
-            parallelism); :meth:`combine` then returns a ``Partial`` DTensor on it, so that a
-            missing reduction cannot go unnoticed. ``None``: a plain tensor.
+        num_experts: ``E``, routed experts in the whole layer.
+        mesh: 1-D mesh of the ranks that receive rows, in the order of Note [Expert TP by
+            all-to-all]: rank ``q`` holds experts ``[(q // replicas) * e, ...)`` (``e = E * replicas
+            / P``) and hidden slice ``q % replicas``. ``None``: no exchange, all experts local.
+        replicas: ``etp``, the ranks that each hold a hidden slice of the same experts; every
+            row is sent to all of them and their partial outputs are summed in combine. ``1``
+            without expert tensor parallelism.
+        partial_mesh: 1-D mesh over which the expert outputs are partial sums because the
+            tokens were gathered, not replicated by the all-to-all (``ExpertTensorParallel(
+            dispatch="gather")``); :meth:`combine` then returns a ``Partial`` DTensor on it, so
+            that a missing reduction cannot go unnoticed. ``None``: a plain tensor.
         pad_multiple: align each local expert's row group to this multiple.
         score_before_experts: scale rows by their score before the experts.
 
-    Forward: ``all_to_all_single`` x 3 on ``ep_mesh`` (counts, tokens, outputs); backward:
-    ``all_to_all_single`` x 2. No collective when ``ep_mesh`` is ``None``.
+    Forward: ``all_to_all_single`` x 3 on ``mesh`` (counts, tokens, outputs); backward:
+    ``all_to_all_single`` x 2. No collective when ``mesh`` is ``None``.
     """
 
     def __init__(
         self,
         *,
         num_experts: int,
-        ep_mesh: DeviceMesh | None,
+        mesh: DeviceMesh | None,
+        replicas: int = 1,
         partial_mesh: DeviceMesh | None = None,
         pad_multiple: int = 1,
         score_before_experts: bool = False,
@@ -108,21 +133,24 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             pad_multiple=pad_multiple,
             score_before_experts=score_before_experts,
         )
-        for name, mesh in (("ep_mesh", ep_mesh), ("partial_mesh", partial_mesh)):
-            if mesh is not None and mesh.ndim != 1:
-                raise ValueError(f"{name} must be a 1-D DeviceMesh, got a {mesh.ndim}-D mesh")
-        ep = 1 if ep_mesh is None else ep_mesh.size()
-        if num_experts % ep != 0:
+        for name, m in (("mesh", mesh), ("partial_mesh", partial_mesh)):
+            if m is not None and m.ndim != 1:
+                raise ValueError(f"{name} must be a 1-D DeviceMesh, got a {m.ndim}-D mesh")
+        size = 1 if mesh is None else mesh.size()
+        if replicas < 1 or size % replicas != 0 or num_experts % (size // replicas) != 0:
             raise ValueError(
-                f"num_experts={num_experts} is not divisible by the expert-parallel degree "
-                f"ep={ep}; choose ep among the divisors of num_experts"
+                f"AllToAllTokenDispatcher: the mesh of {size} ranks must hold whole groups of "
+                f"replicas={replicas} ranks, and num_experts={num_experts} must be divisible by "
+                f"the expert-parallel degree {size // max(replicas, 1)}"
             )
-        self.ep_mesh = ep_mesh
+        self.mesh = mesh
+        self.replicas = replicas
         self.partial_mesh = partial_mesh
 
     @property
     def ep_size(self) -> int:
-        return 1 if self.ep_mesh is None else self.ep_mesh.size()
+        """Ranks that hold different experts: the mesh size over ``replicas``."""
+        return 1 if self.mesh is None else self.mesh.size() // self.replicas
 
     def dispatch(
         self,
@@ -131,23 +159,31 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         topk_ids_TK: torch.Tensor,
         counts_E: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchMetadata]:
-        """Send each (token, expert) row to the rank holding the expert; see the module Note."""
-        if self.ep_mesh is None:
+        """Send each (token, expert) row to the ranks holding the expert; see the module Note."""
+        if self.mesh is None:
             return super().dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
-        P, e = self.ep_size, self.num_experts // self.ep_size
-        layout = sort_by_expert(topk_ids_TK, counts_E)
+        P, e = self.mesh.size(), self.num_experts // self.ep_size
+        ids_TX, scores_TX, counts_X = topk_ids_TK, topk_scores_TK, counts_E
+        if self.replicas > 1:
+            ids_TX, counts_X = replicate_over_etp(
+                topk_ids_TK, counts_E, experts_per_rank=e, replicas=self.replicas
+            )
+            scores_TX = topk_scores_TK.repeat_interleave(self.replicas, dim=1)
+        # The count exchange runs while this rank sorts and gathers its rows.
+        counts_in = funcol.all_to_all_single(counts_X, None, None, self.mesh)
+        layout = sort_by_expert(ids_TX, counts_X)
         sent_ND = permute_tokens(x_TD, layout)
-        scores_TK = topk_scores_TK
         if self.score_before_experts:
-            sent_ND = sent_ND * scores_in_rows(topk_scores_TK, layout).unsqueeze(-1)
-            scores_TK = None
-        counts_Pe = funcol.all_to_all_single(counts_E, None, None, self.ep_mesh).view(P, e)
-        input_splits = counts_E.view(P, e).sum(1).tolist()
+            sent_ND = sent_ND * scores_in_rows(scores_TX, layout).unsqueeze(-1)
+            scores_TX = None
+        counts_Pe = funcol.wait_tensor(counts_in).view(P, e)
+        input_splits = counts_X.view(P, e).sum(1).tolist()
         output_splits = counts_Pe.sum(1).tolist()
         received_MD = funcol.all_to_all_single_autograd(
-            sent_ND, output_splits, input_splits, self.ep_mesh
+            sent_ND, output_splits, input_splits, self.mesh
         )
+        # The local sort needs only the counts: it runs while the rows are in flight.
         local_ids_M = torch.repeat_interleave(
             torch.arange(e, device=counts_E.device).repeat(P), counts_Pe.reshape(-1)
         )
@@ -156,7 +192,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         )
         metadata = AllToAllMetadata(
             row_TK=layout.row_TK,
-            scores_TK=scores_TK,
+            scores_TK=scores_TX,
             input_splits=tuple(input_splits),
             output_splits=tuple(output_splits),
             received_row_M1=local.row_TK,
@@ -164,8 +200,8 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         return permute_tokens(received_MD, local), local.counts_e, metadata
 
     def combine(self, out_RD: torch.Tensor, metadata: DispatchMetadata) -> torch.Tensor:
-        """Send expert outputs back and reduce each token's ``K`` rows (``y_TD``)."""
-        if self.ep_mesh is None:
+        """Send expert outputs back and reduce each token's rows (``y_TD``)."""
+        if self.mesh is None:
             y_TD = super().combine(out_RD, metadata)
         else:
             assert isinstance(metadata, AllToAllMetadata), f"got {type(metadata).__name__}"
@@ -174,7 +210,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
                 received_MD,
                 list(metadata.input_splits),
                 list(metadata.output_splits),
-                self.ep_mesh,
+                self.mesh,
             )
             y_TD = unpermute_and_reduce(returned_ND, metadata.row_TK, metadata.scores_TK)
         if self.partial_mesh is None:
@@ -184,6 +220,6 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(num_experts={self.num_experts}, ep={self.ep_size}, "
-            f"partial={self.partial_mesh is not None}, pad_multiple={self.pad_multiple}, "
-            f"score_before_experts={self.score_before_experts})"
+            f"replicas={self.replicas}, partial={self.partial_mesh is not None}, "
+            f"pad_multiple={self.pad_multiple}, score_before_experts={self.score_before_experts})"
         )

@@ -27,12 +27,25 @@ consequences that the parallel styles rely on:
 
 Everything is validated before any mesh (any process group) is created, from arguments that
 are the same on every rank, so every rank raises the same error and none hangs.
+
+Note [One mesh per layout]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+``build_moe_meshes`` returns the *same* :class:`MoEMeshes` when it is called again with the
+same arguments under the same default process group. Two calls to ``init_device_mesh`` with
+the same shape give meshes that compare equal but own different process groups, and torch 2.13's
+sharding-propagation cache compares meshes by value: a cached output spec can carry the first
+mesh, so one rank may run a collective on the first mesh's group while its peer runs it on the
+second's, and both wait forever (observed with the tp all-gather of ``full_tensor()`` after an
+equal mesh had been used). Reusing the meshes also avoids creating process groups again.
+Build other meshes of the same shape from these (slice them) rather than with
+``init_device_mesh``.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -70,6 +83,9 @@ class MoEMeshes:
     def edp(self) -> int:
         """Data-parallel degree of the expert params: ``dp * tp // (ep * etp)``."""
         return self.dp * self.tp // (self.ep * self.etp)
+
+
+_BUILT: dict[tuple, tuple[Any, MoEMeshes]] = {}
 
 
 def _world_size() -> int:
@@ -130,7 +146,8 @@ def build_moe_meshes(
 
     Returns:
         :class:`MoEMeshes`. Creating the meshes creates their process groups (``new_group``
-        calls on every rank); nothing else communicates.
+        calls on every rank); nothing else communicates. A second call with the same arguments
+        returns the same meshes (Note [One mesh per layout]).
 
     Raises:
         ValueError: before any process group is created, when the degrees do not fit the world
@@ -143,9 +160,15 @@ def build_moe_meshes(
     """
     world = _world_size()
     _check_degrees(dp, ep, tp, expert_tp, world)
+    key = (dp, ep, tp, expert_tp, device_type)
+    default_group = dist.group.WORLD if dist.is_initialized() else None
+    if key in _BUILT and default_group is not None and _BUILT[key][0] is default_group:
+        return _BUILT[key][1]  # Note [One mesh per layout]
     etp = tp if expert_tp else 1
     dense = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
     expert = init_device_mesh(
         device_type, (world // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp")
     )
-    return MoEMeshes(dp=dp, ep=ep, tp=tp, expert_tp=expert_tp, dense=dense, expert=expert)
+    meshes = MoEMeshes(dp=dp, ep=ep, tp=tp, expert_tp=expert_tp, dense=dense, expert=expert)
+    _BUILT[key] = (dist.group.WORLD, meshes)
+    return meshes

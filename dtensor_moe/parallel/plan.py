@@ -9,8 +9,9 @@ meshes                       experts                          MoE input (tp > 1)
 ==========================  ===============================  =================================
 ``tp == 1, ep > 1``          ExpertParallel on ``ep``         plain tensors ("dp2ep")
 ``tp > 1, expert_tp=False``  ExpertParallel on ``ep``         PrepareMoEInput(routing="split")
-``tp > 1, expert_tp=True``   ExpertTensorParallel on          PrepareMoEInput(routing=
-                             ``("ep", "etp")``                "replicate")
+``tp > 1, expert_tp=True``   ExpertTensorParallel on          PrepareMoEInput(routing="split"),
+                             ``("ep", "etp")``                or "replicate" with
+                                                              ``expert_tp_dispatch="gather"``
 ``tp == 1, ep == 1``         nothing (data parallel only)     plain tensors
 ==========================  ===============================  =================================
 
@@ -27,18 +28,33 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.parallel.mesh import MoEMeshes
-from dtensor_moe.parallel.style import ExpertParallel, ExpertTensorParallel, PrepareMoEInput
+from dtensor_moe.parallel.style import (
+    ExpertParallel,
+    ExpertTensorParallel,
+    ExpertTPDispatch,
+    PrepareMoEInput,
+)
 
 __all__ = ["parallelize_moe"]
 
 
-def parallelize_moe(model: nn.Module, meshes: MoEMeshes, *, sequence_parallel: bool) -> nn.Module:
+def parallelize_moe(
+    model: nn.Module,
+    meshes: MoEMeshes,
+    *,
+    sequence_parallel: bool,
+    expert_tp_dispatch: ExpertTPDispatch = "all_to_all",
+) -> nn.Module:
     """Apply the MoE styles of Note [MoE plan] to every :class:`MoE` in ``model`` (in place).
 
     Keyword Args:
         sequence_parallel: the MoE inputs are ``Shard(1)`` DTensors on ``meshes.dense["tp"]``
             (``True``) or replicated over tp (``False``: ``Replicate()`` DTensors or plain
             tensors). Ignored when ``tp == 1``.
+        expert_tp_dispatch: with ``expert_tp``: ``"all_to_all"`` (each tp rank routes its own
+            tokens; the all-to-all replicates rows over the etp ranks) or ``"gather"`` (the tp
+            ranks gather the tokens and reduce partial outputs); see
+            :class:`~dtensor_moe.parallel.ExpertTensorParallel`.
 
     Returns:
         ``model``. Collectives: each style's apply-time config check and weight distribution.
@@ -55,15 +71,17 @@ def parallelize_moe(model: nn.Module, meshes: MoEMeshes, *, sequence_parallel: b
     if not layers:
         raise ValueError(f"parallelize_moe found no MoE layer in {type(model).__name__}")
     expert_tp = meshes.expert_tp and meshes.tp > 1
+    gather = expert_tp and expert_tp_dispatch == "gather"
     for moe in layers:
         if expert_tp:
-            parallelize_module(moe.experts, meshes.expert["ep", "etp"], ExpertTensorParallel())
+            style = ExpertTensorParallel(dispatch=expert_tp_dispatch)
+            parallelize_module(moe.experts, meshes.expert["ep", "etp"], style)
         elif meshes.ep > 1:
             parallelize_module(moe.experts, meshes.expert["ep"], ExpertParallel())
         if meshes.tp > 1:
             style = PrepareMoEInput(
                 input_layout=Shard(1) if sequence_parallel else Replicate(),
-                routing="replicate" if expert_tp else "split",
+                routing="replicate" if gather else "split",
             )
             parallelize_module(moe, meshes.dense["tp"], style)
     return model

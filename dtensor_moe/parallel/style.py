@@ -27,7 +27,7 @@ micro-batches in flight.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import torch.distributed as dist
 from torch import nn
@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from dtensor_moe import _compat
 from dtensor_moe.moe.experts import GroupedExperts
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.parallel.dispatch import AllToAllTokenDispatcher
@@ -45,7 +46,9 @@ from dtensor_moe.parallel.token_parallel import (
     TokenParallelForward,
 )
 
-__all__ = ["ExpertParallel", "ExpertTensorParallel", "PrepareMoEInput"]
+__all__ = ["ExpertParallel", "ExpertTPDispatch", "ExpertTensorParallel", "PrepareMoEInput"]
+
+ExpertTPDispatch: TypeAlias = Literal["all_to_all", "gather"]
 
 
 def _gather_over_mesh(value: Any, mesh: DeviceMesh) -> list[Any]:
@@ -158,7 +161,7 @@ class ExpertParallel(ParallelStyle):
         )
         for name in ("w1", "w2", "w3"):
             _distribute_param(module, name, device_mesh, [Shard(0)])
-        module.dispatcher = _dispatcher(module, ep_mesh=device_mesh if ep > 1 else None)
+        module.dispatcher = _dispatcher(module, mesh=device_mesh if ep > 1 else None)
         return module
 
     def __repr__(self) -> str:
@@ -166,12 +169,17 @@ class ExpertParallel(ParallelStyle):
 
 
 def _dispatcher(
-    module: GroupedExperts, *, ep_mesh: DeviceMesh | None, partial_mesh: DeviceMesh | None = None
+    module: GroupedExperts,
+    *,
+    mesh: DeviceMesh | None,
+    replicas: int = 1,
+    partial_mesh: DeviceMesh | None = None,
 ) -> AllToAllTokenDispatcher:
     old = module.dispatcher
     return AllToAllTokenDispatcher(
         num_experts=old.num_experts,
-        ep_mesh=ep_mesh,
+        mesh=mesh,
+        replicas=replicas,
         partial_mesh=partial_mesh,
         pad_multiple=old.pad_multiple,
         score_before_experts=old.score_before_experts,
@@ -181,28 +189,41 @@ def _dispatcher(
 class ExpertTensorParallel(ParallelStyle):
     """Shard each routed expert's hidden dim (and the experts, on a 2-D mesh).
 
+    Keyword Args:
+        dispatch: how the tokens reach the ``etp`` ranks that share an expert.
+            ``"all_to_all"`` (default): each rank routes its own tokens and the all-to-all sends
+            every row to all ``etp`` ranks holding its expert, which return partial outputs that
+            the sender sums (Note [Expert TP by all-to-all]); the experts' output is complete.
+            Use with :class:`PrepareMoEInput` ``routing="split"``.
+            ``"gather"``: every ``etp`` rank routes all tokens of the group (gathered by
+            :class:`PrepareMoEInput` ``routing="replicate"``) and the experts' output is a
+            ``Partial`` DTensor on the ``etp`` mesh, reduced to the input layout.
+
     On a 2-D ``(ep, etp)`` mesh (for example ``meshes.expert["ep", "etp"]``): ``w1``/``w3``
     (``(E, H, D)``) become ``[Shard(0), Shard(1)]`` and ``w2`` (``(E, D, H)``)
-    ``[Shard(0), Shard(2)]``; tokens move between ``ep`` ranks by all-to-all. On a 1-D ``etp``
-    mesh (expert tensor parallelism alone): ``[Shard(1)]`` and ``[Shard(2)]``, no all-to-all.
-    Every ``etp`` rank must route the same tokens, and the experts' output is a ``Partial``
-    DTensor on the ``etp`` mesh; :class:`PrepareMoEInput` with ``routing="replicate"`` on the
-    same ranks gathers the tokens and reduces the output to the input layout.
+    ``[Shard(0), Shard(2)]``. On a 1-D ``etp`` mesh (expert tensor parallelism alone):
+    ``[Shard(1)]`` and ``[Shard(2)]``. Weight gradients keep these placements.
 
-    Collectives: applying runs one ``all_gather_object`` per mesh dim and the weight scatter;
-    forward: ``all_to_all_single`` x 3 on ``ep`` (none on a 1-D mesh); backward: x 2.
+    Collectives: applying runs one ``all_gather_object`` per mesh dim and the weight scatter.
+    Forward ``all_to_all_single`` x 3, backward x 2: over all ranks of the mesh
+    (``"all_to_all"``), or over ``ep`` (``"gather"``; none on a 1-D mesh).
 
     Raises:
-        ValueError: the mesh is not 1-D or 2-D, a 2-D mesh has no dim names, ``num_experts`` is
-            not divisible by ``ep`` or ``hidden_dim`` by ``etp``, or the configuration differs
-            across ranks.
+        ValueError: an unknown ``dispatch``; the mesh is not 1-D or 2-D, a 2-D mesh has no
+            dim names, ``num_experts`` is not divisible by ``ep`` or ``hidden_dim`` by ``etp``,
+            or the configuration differs across ranks.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, dispatch: ExpertTPDispatch = "all_to_all") -> None:
         super().__init__()
+        if dispatch not in ("all_to_all", "gather"):
+            raise ValueError(
+                f"ExpertTensorParallel: dispatch must be 'all_to_all' or 'gather', got {dispatch!r}"
+            )
+        self.dispatch = dispatch
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        style = type(self).__name__
+        style = repr(self)
         _check_module(module, GroupedExperts, style)
         hint = 'pass meshes.expert["ep", "etp"] or a 1-D tp mesh'
         _check_ndim(device_mesh, (1, 2), style, hint)
@@ -212,14 +233,17 @@ class ExpertTensorParallel(ParallelStyle):
         ep_mesh = device_mesh[names[0]] if device_mesh.ndim == 2 else None
         etp_mesh = device_mesh[names[1]] if device_mesh.ndim == 2 else device_mesh
         error = self._divisibility_error(module, ep_mesh, etp_mesh)
-        _agree_or_raise(
-            device_mesh, "the experts' configuration", _experts_fingerprint(module), error
-        )
+        fingerprint = _experts_fingerprint(module)
+        _agree_or_raise(device_mesh, "the experts' configuration", fingerprint, error)
         lead = [Shard(0)] if ep_mesh is not None else []
         for name, dim in (("w1", 1), ("w2", 2), ("w3", 1)):
             _distribute_param(module, name, device_mesh, [*lead, Shard(dim)])
-        ep_used = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
-        module.dispatcher = _dispatcher(module, ep_mesh=ep_used, partial_mesh=etp_mesh)
+        if self.dispatch == "all_to_all":
+            mesh = _compat.flatten_mesh(device_mesh)
+            module.dispatcher = _dispatcher(module, mesh=mesh, replicas=etp_mesh.size())
+        else:
+            ep_used = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
+            module.dispatcher = _dispatcher(module, mesh=ep_used, partial_mesh=etp_mesh)
         return module
 
     @staticmethod
@@ -241,7 +265,7 @@ class ExpertTensorParallel(ParallelStyle):
         return None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}(dispatch={self.dispatch!r})"
 
 
 class PrepareMoEInput(ParallelStyle):

@@ -187,8 +187,8 @@ class TokenParallelForward:
                     f"{tp_ranks}; got dispatcher {dispatcher!r}"
                 )
             return
-        ep_mesh = getattr(dispatcher, "ep_mesh", None)
-        ep_ranks = set() if ep_mesh is None else set(ep_mesh.mesh.tolist())
+        mesh = getattr(dispatcher, "mesh", None)
+        ep_ranks = set() if mesh is None else set(mesh.mesh.tolist())
         if partial is not None or not set(tp_ranks) <= ep_ranks:
             raise ValueError(
                 "PrepareMoEInput(routing='split') routes different tokens on each tp rank, so "

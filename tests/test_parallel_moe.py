@@ -211,14 +211,22 @@ class ParallelRun:
             check(full(param).detach(), ref_params[name].detach(), f"param {name}")
 
 
+OPTION_RUNS = [  # other MoEConfig options, one case each: (layout, overrides)
+    ("ep4", {"pad_multiple": 4, "score_before_experts": True}),  # dispatch/combine path
+    ("ep2tp2", {"score_before_experts": True, "score_func": "sigmoid", "route_norm": True}),
+    ("sp2ep2", {"num_expert_groups": 4, "num_limited_groups": 2, "route_scale": 2.0}),
+    ("tp2ep2", {"pad_multiple": 8, "compute_path": "loop"}),
+]
+
+
 class ParallelMoEParityTest(DistTestBase):
-    def _run_layout(self, name: str) -> None:
-        for case in CASES:
-            run = ParallelRun(LAYOUTS[name], case, self.rank)
+    def _run_layout(self, name: str, cases=None, **config) -> None:
+        for case in cases or CASES:
+            run = ParallelRun(LAYOUTS[name], case, self.rank, **config)
             for step in range(STEPS):
 
                 def check(actual, expected, what, step=step, case=case):
-                    close(actual, expected, f"{name} {case} step {step}: {what}")
+                    close(actual, expected, f"{name} {case} {config} step {step}: {what}")
 
                 run.step(check)
             run.check_params(lambda a, e, w, case=case: close(a, e, f"{name} {case}: {w}"))
@@ -249,6 +257,11 @@ class ParallelMoEParityTest(DistTestBase):
     @with_comms
     def test_tp2_replicate_input_ep_borrows_tp(self):
         self._run_layout("tp2ep2")
+
+    @with_comms
+    def test_config_options(self):
+        for name, overrides in OPTION_RUNS:
+            self._run_layout(name, [Case(2, 7, 2, 1)], **overrides)
 
 
 if __name__ == "__main__":

@@ -258,6 +258,23 @@ class TokenDispatcher:
         """Weight and sum each token's expert outputs back into ``y_TD`` (token order)."""
         return unpermute_and_reduce(out_RD, metadata.row_TK, metadata.scores_TK)
 
+    def run_experts(
+        self,
+        experts: Any,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        counts_E: torch.Tensor,
+    ) -> torch.Tensor:
+        """``combine(experts.compute(*dispatch(...)))``: what ``GroupedExperts.forward`` runs.
+
+        A communicating subclass may override it to overlap its exchange with the expert math
+        on rows that need no exchange; ``experts`` offers ``compute(routed_RD, counts_e)``,
+        ``local_weights()`` and ``compute_path``.
+        """
+        routed_RD, counts_e, metadata = self.dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        return self.combine(experts.compute(routed_RD, counts_e), metadata)
+
     def _check_inputs(
         self,
         x_TD: torch.Tensor,

@@ -265,19 +265,23 @@ class GroupedExperts(nn.Module):
         topk_ids_TK: torch.Tensor,
         counts_E: torch.Tensor,
     ) -> torch.Tensor:
-        routed_RD, counts_e, metadata = self.dispatcher.dispatch(
-            x_TD, topk_scores_TK, topk_ids_TK, counts_E
-        )
-        out_RD = self.compute(routed_RD, counts_e)
-        return self.dispatcher.combine(out_RD, metadata)
+        return self.dispatcher.run_experts(self, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
 
     def compute(self, routed_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """Expert math on the routed buffer; see Note [Grouped experts on local weights].
 
         DTensor weights are used through their local shards (Note [Expert weights as DTensors]).
         """
+        return grouped_swiglu(routed_RD, *self.local_weights(), counts_e, self.compute_path)
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w1, w2, w3)`` as plain tensors: the local shards of DTensor weights.
+
+        A dispatcher that computes several row chunks (to overlap them with communication) calls
+        this once and :func:`grouped_swiglu` per chunk. See Note [Expert weights as DTensors].
+        """
         w1, w2, w3 = (local_expert_weight(w) for w in (self.w1, self.w2, self.w3))
-        return grouped_swiglu(routed_RD, w1, w2, w3, counts_e, self.compute_path)
+        return w1, w2, w3
 
     def extra_repr(self) -> str:
         E, H, D = self.w1.shape

@@ -42,6 +42,7 @@ forward ``all_to_all_single`` x 3 (counts, tokens, outputs), backward ``all_to_a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -56,6 +57,7 @@ from dtensor_moe.moe.dispatch import (
     sort_by_expert,
     unpermute_and_reduce,
 )
+from dtensor_moe.moe.experts import grouped_swiglu
 
 __all__ = ["AllToAllMetadata", "AllToAllTokenDispatcher"]
 
@@ -94,6 +96,44 @@ def replicate_over_etp(
     ep = counts_E.numel() // e
     counts_X = counts_E.view(ep, 1, e).expand(ep, R, e).reshape(-1)
     return ids_TKR.flatten(1), counts_X
+
+
+def _split_counts(counts: list[int], rows: int) -> tuple[list[int], list[int]]:
+    """Per-expert counts of the first ``rows`` rows of a group-sorted block, and of the rest."""
+    first = []
+    for c in counts:
+        first.append(min(c, rows))
+        rows -= first[-1]
+    return first, [c - f for c, f in zip(counts, first)]
+
+
+class _Exchange(torch.autograd.Function):
+    """The rows of an all-to-all launched earlier; backward launches the reverse one.
+
+    ``forward(sent, pending, recv_splits, send_splits, mesh)`` waits for ``pending`` (the
+    all-to-all of ``sent`` already in flight) and returns the received rows. ``backward`` starts
+    the reverse all-to-all and returns its result *without waiting*, so that autograd runs other
+    ready work before the gradient is used. See Note [Overlapped all-to-all].
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        sent: torch.Tensor,
+        pending: torch.Tensor,
+        recv_splits: list[int],
+        send_splits: list[int],
+        mesh: DeviceMesh,
+    ) -> torch.Tensor:
+        ctx.recv_splits, ctx.send_splits, ctx.mesh = recv_splits, send_splits, mesh
+        return funcol.wait_tensor(pending)
+
+    @staticmethod
+    def backward(ctx: Any, grad_MD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_ND = funcol.all_to_all_single(
+            grad_MD.contiguous(), ctx.send_splits, ctx.recv_splits, ctx.mesh
+        )
+        return grad_ND, None, None, None, None
 
 
 class AllToAllTokenDispatcher(TokenDispatcher):
@@ -199,6 +239,85 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         )
         return permute_tokens(received_MD, local), local.counts_e, metadata
 
+    def run_experts(
+        self,
+        experts: Any,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        counts_E: torch.Tensor,
+    ) -> torch.Tensor:
+        """Dispatch, expert math and combine, with both exchanges overlapped with local rows.
+
+        See Note [Overlapped all-to-all]. Falls back to ``dispatch`` / ``compute`` /
+        ``combine`` without a mesh or with ``pad_multiple > 1``.
+        """
+        if self.mesh is None or self.pad_multiple != 1:
+            return super().run_experts(experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        P, e, me = self.mesh.size(), self.num_experts // self.ep_size, self.mesh.get_local_rank()
+        ids_TX, scores_TX, counts_X = self._destinations(topk_scores_TK, topk_ids_TK, counts_E)
+        counts_in = funcol.all_to_all_single(counts_X, None, None, self.mesh)
+        # Sort by destination with this rank's own rows last: the rows to send are a prefix.
+        position_P = torch.tensor([*range(me), *range(me + 1, P), me], device=counts_X.device)
+        rank_at_P = torch.empty_like(position_P).index_put_((position_P,), torch.arange(P))
+        counts_Pe = counts_X.view(P, e)
+        ids_TX = rank_at_P[torch.div(ids_TX, e, rounding_mode="floor")] * e + ids_TX.remainder(e)
+        layout = sort_by_expert(ids_TX, counts_Pe[position_P].reshape(-1))
+        sent_ND = permute_tokens(x_TD, layout)
+        if self.score_before_experts:
+            sent_ND = sent_ND * scores_in_rows(scores_TX, layout).unsqueeze(-1)
+            scores_TX = None
+        own_e = counts_Pe[me].tolist()
+        send = counts_Pe.sum(1).tolist()
+        send[me] = 0
+        remote_ND, own_ND = sent_ND.split([sum(send), sum(own_e)])
+        received_Pe = funcol.wait_tensor(counts_in).view(P, e).clone()
+        received_Pe[me] = 0
+        recv = received_Pe.sum(1).tolist()
+        pending = funcol.all_to_all_single(remote_ND.detach(), recv, send, self.mesh)
+        weights, path = experts.local_weights(), experts.compute_path
+        own1_e, own2_e = _split_counts(own_e, sum(own_e) // 2)
+        own1_ND, own2_ND = own_ND.split([sum(own1_e), sum(own2_e)])
+        out1_ND = grouped_swiglu(own1_ND, *weights, own1_e, path)
+        received_MD = _Exchange.apply(remote_ND, pending, recv, send, self.mesh)
+        remote_out_MD = self._compute_received(received_MD, received_Pe, weights, path)
+        pending = funcol.all_to_all_single(remote_out_MD.detach(), send, recv, self.mesh)
+        out2_ND = grouped_swiglu(own2_ND, *weights, own2_e, path)
+        returned_ND = _Exchange.apply(remote_out_MD, pending, send, recv, self.mesh)
+        out_ND = torch.cat([returned_ND, out1_ND, out2_ND])
+        return self._finish(unpermute_and_reduce(out_ND, layout.row_TK, scores_TX))
+
+    def _destinations(
+        self, topk_scores_TK: torch.Tensor, topk_ids_TK: torch.Tensor, counts_E: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-row destination ids ``q * e + j``, their scores and counts (replicas expanded)."""
+        if self.replicas == 1:
+            return topk_ids_TK, topk_scores_TK, counts_E
+        e = self.num_experts // self.ep_size
+        ids_TX, counts_X = replicate_over_etp(
+            topk_ids_TK, counts_E, experts_per_rank=e, replicas=self.replicas
+        )
+        return ids_TX, topk_scores_TK.repeat_interleave(self.replicas, dim=1), counts_X
+
+    @staticmethod
+    def _compute_received(
+        received_MD: torch.Tensor, received_Pe: torch.Tensor, weights: tuple, path: str
+    ) -> torch.Tensor:
+        """Expert math on rows received from other ranks, returned in the received order."""
+        P, e = received_Pe.shape
+        local_ids_M = torch.repeat_interleave(
+            torch.arange(e, device=received_Pe.device).repeat(P), received_Pe.reshape(-1)
+        )
+        local = sort_by_expert(local_ids_M.unsqueeze(1), received_Pe.sum(0))
+        out_RD = grouped_swiglu(permute_tokens(received_MD, local), *weights, local.counts_e, path)
+        return unpermute_and_reduce(out_RD, local.row_TK, None)
+
+    def _finish(self, y_TD: torch.Tensor) -> torch.Tensor:
+        if self.partial_mesh is None:
+            return y_TD
+        return DTensor.from_local(y_TD, self.partial_mesh, [Partial()], run_check=False)
+
     def combine(self, out_RD: torch.Tensor, metadata: DispatchMetadata) -> torch.Tensor:
         """Send expert outputs back and reduce each token's rows (``y_TD``)."""
         if self.mesh is None:
@@ -213,9 +332,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
                 self.mesh,
             )
             y_TD = unpermute_and_reduce(returned_ND, metadata.row_TK, metadata.scores_TK)
-        if self.partial_mesh is None:
-            return y_TD
-        return DTensor.from_local(y_TD, self.partial_mesh, [Partial()], run_check=False)
+        return self._finish(y_TD)
 
     def __repr__(self) -> str:
         return (

@@ -4,37 +4,69 @@ Shape legend:
     T  tokens routed by this rank
     D  model width
     E  routed experts (global count); e  experts held by this rank (``E // ep``)
-    K  experts per token
-    N  (token, expert) pairs this rank sends, ``T * K``, sorted by global expert
-    M  rows this rank receives from all EP ranks, grouped by source rank, then local expert
-    R  rows of the routed buffer: the ``M`` rows grouped by local expert, alignment padding
-       included
-    P  ranks of the EP group (``ep``)
+    K  experts per token; X = K * replicas rows per token (Note [Expert TP by all-to-all])
+    N  rows this rank sends (including its own), sorted by destination rank, then local expert
+    M  rows this rank receives from the other ranks, grouped by source rank, then local expert
+    R  rows of a routed buffer grouped by local expert, alignment padding included
+    P  ranks of the all-to-all mesh (``ep * replicas``)
 
 Note [All-to-all dispatch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-Experts are ``Shard(0)`` over the EP group: rank ``p`` holds global experts
+Experts are ``Shard(0)`` over the EP ranks: EP rank ``p`` holds global experts
 ``[p * e, (p + 1) * e)``. Following Note [Dispatcher steps] in ``dtensor_moe/moe/dispatch.py``:
 
-1. Sort the ``N`` pairs by *global* expert without padding and gather the tokens (one row per
-   pair). Rows for rank ``p`` are then contiguous, and inside them the rows of each expert.
-2. Count exchange: ``all_to_all_single`` of ``counts_E`` with equal splits of ``e``. Rank ``p``
-   receives ``counts_Pe[s, j]``: rows source ``s`` sends to its ``j``-th local expert. Every
-   rank sends ``E`` counts, so sizes always agree, even when a rank routes zero tokens.
-3. Token exchange: ``all_to_all_single_autograd`` with ``input_splits = counts_E.view(P, e)
-   .sum(1)`` and ``output_splits = counts_Pe.sum(1)``. The split sizes are read on the host
-   (one sync). Its backward is the reverse exchange.
-4. Sort the ``M`` received rows by local expert, now with alignment padding, by calling
+1. Sort the rows by destination rank and local expert, without padding, and gather the tokens
+   (one row per (token, expert) pair). Rows for each rank are contiguous, and inside them the
+   rows of each expert.
+2. Count exchange: ``all_to_all_single`` of the ``P * e`` per-destination counts with equal
+   splits of ``e``. Rank ``p`` receives ``counts_Pe[s, j]``: rows source ``s`` sends to its
+   ``j``-th local expert. Every rank sends ``P * e`` counts, so sizes always agree, even when a
+   rank routes zero tokens. It is launched before step 1 and waited for after it.
+3. Token exchange: a variable-split ``all_to_all_single`` with the send sizes of step 1 and the
+   receive sizes of step 2 (read on the host, one sync). Its backward is the reverse exchange.
+4. Sort the received rows by local expert (with alignment padding) by calling
    ``sort_by_expert`` again on their ``(M, 1)`` local expert ids.
 
-Combine is the reverse: un-sort the ``R`` rows back to the ``M`` received order (the shared
-tail ``unpermute_and_reduce`` with ``K = 1``), all-to-all them back with the splits swapped, and
-weight and sum each token's ``K`` rows (the shared tail again). Every per-forward value lives in
-:class:`AllToAllMetadata`; the dispatcher holds only its configuration.
+Combine is the reverse: un-sort the expert outputs back to the received order (the shared tail
+``unpermute_and_reduce`` with ``K = 1``), all-to-all them back with the splits swapped, and
+weight and sum each token's rows (the shared tail again). Every per-forward value lives in
+:class:`AllToAllMetadata` or in local variables; the dispatcher holds only its configuration.
 
-Collectives, on the EP group, every rank the same, sizes agreeing by construction:
+Collectives, on the dispatcher's mesh, every rank the same, sizes agreeing by construction:
 forward ``all_to_all_single`` x 3 (counts, tokens, outputs), backward ``all_to_all_single`` x 2
 (output grads, token grads). All are functional collectives, so ``CommDebugMode`` sees them.
+
+Note [Expert TP by all-to-all]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With expert tensor parallelism on a 2-D ``(ep, etp)`` mesh, each of the ``etp`` ranks of an EP
+group holds a hidden-dim slice of the same experts. Instead of gathering every token on every
+``etp`` rank (an all-gather before and a reduce-scatter after the experts, on top of the EP
+all-to-alls), the all-to-all runs over the flattened ``ep * etp`` ranks and sends each row to
+all ``replicas = etp`` ranks that hold a slice of its expert: destination ``q = p * etp + j``
+for EP rank ``p`` and slice ``j``. Each returns the partial output of its slice, and combine
+sums the ``etp`` partials of a row together with its ``K`` experts, in one ``bmm``. This is the
+same machinery with ``X = K * etp`` rows per token (:func:`replicate_over_etp`), so the output
+is complete (not ``Partial``), every tp rank routes only its own tokens, and a step runs 5
+collectives instead of 9. The token gather's backward sums the ``X`` row gradients of a token,
+which adds up the ``etp`` partial input gradients.
+
+Note [Overlapped all-to-all]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+:meth:`AllToAllTokenDispatcher.run_experts` (what ``GroupedExperts.forward`` calls) overlaps
+both exchanges with the expert math on the rows this rank routes to *itself*, which need no
+exchange. The rows are sorted with this rank's own block last, so the rows to send are a prefix
+and the own rows a suffix, split in two halves ``own1`` and ``own2``. Forward:
+
+    launch token exchange -> experts(own1) -> wait -> experts(received) ->
+    launch output exchange -> experts(own2) -> wait -> combine
+
+Each exchange is launched with the non-autograd ``all_to_all_single`` and joined to the graph
+afterwards by :class:`_Exchange`, whose node is created *after* the overlapped compute. Autograd
+runs ready nodes newest first, so the backward is the mirror image: the output exchange's
+reverse is launched (not waited for) before ``experts(own2)``'s backward runs, and the token
+exchange's reverse before ``experts(own1)``'s. The number and sizes of the collectives are those
+of Note [All-to-all dispatch]. With ``pad_multiple > 1`` the plain ``dispatch`` / ``compute`` /
+``combine`` path runs instead.
 """
 
 # ruff: noqa: N803, N806, N815

@@ -216,6 +216,7 @@ OPTION_RUNS = [  # other MoEConfig options, one case each: (layout, overrides)
     ("ep2tp2", {"score_before_experts": True, "score_func": "sigmoid", "route_norm": True}),
     ("sp2ep2", {"num_expert_groups": 4, "num_limited_groups": 2, "route_scale": 2.0}),
     ("tp2ep2", {"pad_multiple": 8, "compute_path": "loop"}),
+    ("ep2", {"compute_path": "loop"}),  # overlapped exchange without the fused grouped_mm stage
 ]
 
 

@@ -61,12 +61,16 @@ and the own rows a suffix, split in two halves ``own1`` and ``own2``. Forward:
     launch output exchange -> experts(own2) -> wait -> combine
 
 Each exchange is launched with the non-autograd ``all_to_all_single`` and joined to the graph
-afterwards by :class:`_Exchange`, whose node is created *after* the overlapped compute. Autograd
-runs ready nodes newest first, so the backward is the mirror image: the output exchange's
-reverse is launched (not waited for) before ``experts(own2)``'s backward runs, and the token
-exchange's reverse before ``experts(own1)``'s. The number and sizes of the collectives are those
-of Note [All-to-all dispatch]. With ``pad_multiple > 1`` the plain ``dispatch`` / ``compute`` /
-``combine`` path runs instead.
+afterwards, by :class:`_RemoteExperts` (token exchange fused with the experts on the received
+rows, ``grouped_mm`` path) or :class:`_Exchange` (output exchange; token exchange on the other
+paths), whose nodes are created *after* the overlapped compute. Autograd runs ready nodes
+newest first, so the backward is the mirror image: the output exchange's reverse is launched
+(not waited for) before ``experts(own2)``'s backward runs; ``_RemoteExperts`` computes the
+input gradient, launches the token exchange's reverse, and only then computes the three weight
+gradients, followed by ``experts(own1)``'s backward. The exchange after the longest compute
+phase, where ranks arrive furthest apart, thus has the most work to hide behind. The number
+and sizes of the collectives are those of Note [All-to-all dispatch]. With ``pad_multiple > 1``
+the plain ``dispatch`` / ``compute`` / ``combine`` path runs instead.
 """
 
 # ruff: noqa: N803, N806, N815
@@ -89,7 +93,7 @@ from dtensor_moe.moe.dispatch import (
     sort_by_expert,
     unpermute_and_reduce,
 )
-from dtensor_moe.moe.experts import grouped_swiglu
+from dtensor_moe.moe.experts import grouped_swiglu, resolve_compute_path
 
 __all__ = ["AllToAllMetadata", "AllToAllTokenDispatcher"]
 
@@ -166,6 +170,72 @@ class _Exchange(torch.autograd.Function):
             grad_MD.contiguous(), ctx.send_splits, ctx.recv_splits, ctx.mesh
         )
         return grad_ND, None, None, None, None
+
+
+@dataclass(frozen=True, slots=True)
+class _Splits:
+    """Row counts of one exchange: ``recv`` from and ``send`` to each rank of ``mesh``."""
+
+    recv: list[int]
+    send: list[int]
+    mesh: DeviceMesh
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+class _RemoteExperts(torch.autograd.Function):
+    """Token exchange + SwiGLU experts on the received rows (``grouped_mm`` path).
+
+    ``forward(sent_ND, pending, w1, w2, w3, splits, token_R, row_M, counts_e)`` waits for the
+    token exchange (``pending``), sorts the received rows by local expert (``token_R``), runs
+    the experts and returns their outputs in the received order (``row_M``). ``backward``
+    computes the input gradient first, launches the reverse exchange *without waiting*, and only
+    then the three weight gradients, so that the exchange, and the other ranks' lateness,
+    overlaps them (Note [Overlapped all-to-all]). The math is the SwiGLU backward that autograd
+    would run, with the same ``grouped_mm`` calls.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        sent_ND: torch.Tensor,
+        pending: torch.Tensor,
+        w1_eHD: torch.Tensor,
+        w2_eDH: torch.Tensor,
+        w3_eHD: torch.Tensor,
+        splits: _Splits,
+        token_R: torch.Tensor,
+        row_M: torch.Tensor,
+        counts_e: torch.Tensor,
+    ) -> torch.Tensor:
+        routed_RD = funcol.wait_tensor(pending).index_select(0, token_R)
+        offs = torch.cumsum(counts_e, 0, dtype=torch.int32)
+        gate_RH = _gmm(routed_RD, w1_eHD.transpose(-2, -1), offs)
+        up_RH = _gmm(routed_RD, w3_eHD.transpose(-2, -1), offs)
+        h_RH = torch.nn.functional.silu(gate_RH) * up_RH
+        out_RD = _gmm(h_RH, w2_eDH.transpose(-2, -1), offs)
+        ctx.save_for_backward(routed_RD, gate_RH, up_RH, h_RH, w1_eHD, w2_eDH, w3_eHD)
+        ctx.splits, ctx.token_R, ctx.row_M, ctx.offs = splits, token_R, row_M, offs
+        return out_RD.index_select(0, row_M)
+
+    @staticmethod
+    def backward(ctx: Any, grad_MD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        routed_RD, gate_RH, up_RH, h_RH, w1_eHD, w2_eDH, w3_eHD = ctx.saved_tensors
+        offs, splits = ctx.offs, ctx.splits
+        grad_RD = grad_MD.index_select(0, ctx.token_R)
+        grad_h_RH = _gmm(grad_RD, w2_eDH, offs)
+        grad_gate_RH = torch.ops.aten.silu_backward(grad_h_RH * up_RH, gate_RH)
+        grad_up_RH = grad_h_RH * torch.nn.functional.silu(gate_RH)
+        grad_x_RD = _gmm(grad_gate_RH, w1_eHD, offs) + _gmm(grad_up_RH, w3_eHD, offs)
+        grad_sent = funcol.all_to_all_single(
+            grad_x_RD.index_select(0, ctx.row_M), splits.send, splits.recv, splits.mesh
+        )
+        grad_w2 = _gmm(grad_RD.t(), h_RH, offs)
+        grad_w1 = _gmm(grad_gate_RH.t(), routed_RD, offs)
+        grad_w3 = _gmm(grad_up_RH.t(), routed_RD, offs)
+        return grad_sent, None, grad_w1, grad_w2, grad_w3, None, None, None, None
 
 
 class AllToAllTokenDispatcher(TokenDispatcher):
@@ -312,8 +382,14 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         own1_e, own2_e = _split_counts(own_e, sum(own_e) // 2)
         own1_ND, own2_ND = own_ND.split([sum(own1_e), sum(own2_e)])
         out1_ND = grouped_swiglu(own1_ND, *weights, own1_e, path)
-        received_MD = _Exchange.apply(remote_ND, pending, recv, send, self.mesh)
-        remote_out_MD = self._compute_received(received_MD, received_Pe, weights, path)
+        remote_out_MD = self._remote_experts(
+            remote_ND,
+            pending,
+            _Splits(recv=recv, send=send, mesh=self.mesh),
+            received_Pe,
+            weights,
+            path,
+        )
         pending = funcol.all_to_all_single(remote_out_MD.detach(), send, recv, self.mesh)
         out2_ND = grouped_swiglu(own2_ND, *weights, own2_e, path)
         returned_ND = _Exchange.apply(remote_out_MD, pending, send, recv, self.mesh)
@@ -333,16 +409,39 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         return ids_TX, topk_scores_TK.repeat_interleave(self.replicas, dim=1), counts_X
 
     @staticmethod
-    def _compute_received(
-        received_MD: torch.Tensor, received_Pe: torch.Tensor, weights: tuple, path: str
+    def _remote_experts(
+        remote_ND: torch.Tensor,
+        pending: torch.Tensor,
+        splits: _Splits,
+        received_Pe: torch.Tensor,
+        weights: tuple,
+        path: str,
     ) -> torch.Tensor:
-        """Expert math on rows received from other ranks, returned in the received order."""
+        """Expert math on the rows received from other ranks, in the received order.
+
+        On the ``grouped_mm`` path, :class:`_RemoteExperts` fuses it with the token exchange so
+        that the backward launches the reverse exchange before the weight gradients.
+        """
         P, e = received_Pe.shape
         local_ids_M = torch.repeat_interleave(
             torch.arange(e, device=received_Pe.device).repeat(P), received_Pe.reshape(-1)
         )
         local = sort_by_expert(local_ids_M.unsqueeze(1), received_Pe.sum(0))
-        out_RD = grouped_swiglu(permute_tokens(received_MD, local), *weights, local.counts_e, path)
+        rows = int(received_Pe.sum())
+        probe = remote_ND.new_empty(rows, remote_ND.shape[-1])
+        counts = local.counts_e.tolist()
+        if resolve_compute_path(path, probe, weights[0], counts) == "grouped_mm":
+            return _RemoteExperts.apply(
+                remote_ND,
+                pending,
+                *weights,
+                splits,
+                local.token_N,
+                local.row_TK[:, 0],
+                local.counts_e,
+            )
+        received_MD = _Exchange.apply(remote_ND, pending, splits.recv, splits.send, splits.mesh)
+        out_RD = grouped_swiglu(permute_tokens(received_MD, local), *weights, counts, path)
         return unpermute_and_reduce(out_RD, local.row_TK, None)
 
     def _finish(self, y_TD: torch.Tensor) -> torch.Tensor:

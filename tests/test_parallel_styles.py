@@ -235,7 +235,10 @@ sp2ep4: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2"
             (
                 "split routing with gathering expert-TP experts",
                 lambda: split_etp(x_s1),
-                r"routing='split'\) routes different tokens .* ExpertParallel over an EP mesh",
+                (
+                    r"routing='split'\) routes different tokens .* ExpertParallel over an EP "
+                    r"mesh .*\(dispatch='gather'\) needs routing='replicate'"
+                ),
             ),
             (
                 "replicate routing with EP experts",

@@ -192,9 +192,10 @@ class TokenParallelForward:
         if partial is not None or not set(tp_ranks) <= ep_ranks:
             raise ValueError(
                 "PrepareMoEInput(routing='split') routes different tokens on each tp rank, so "
-                "the experts must be ExpertParallel over an EP mesh containing the tp ranks "
-                f"{tp_ranks} (EP borrows TP) and not tensor parallel; got dispatcher "
-                f"{dispatcher!r}. Use routing='replicate' with ExpertTensorParallel instead"
+                "the experts must exchange rows over a mesh containing the tp ranks "
+                f"{tp_ranks}: ExpertParallel over an EP mesh that borrows them, or "
+                f"ExpertTensorParallel(dispatch='all_to_all'); got dispatcher {dispatcher!r}. "
+                "ExpertTensorParallel(dispatch='gather') needs routing='replicate'"
             )
 
     def _input(self, moe: MoE, x: torch.Tensor) -> DTensor:

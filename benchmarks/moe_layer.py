@@ -11,9 +11,14 @@ Run::
 
     python benchmarks/moe_layer.py                 # layout "single": one process
     python benchmarks/moe_layer.py --shared 1      # with one shared expert
+    python benchmarks/moe_layer.py --layout ep4    # 4 gloo processes x 1 thread
 
-Layouts: ``--layout`` picks an entry of ``LAYOUTS``; a parallel layout adds a function with the
-same signature (``args -> dict of timings``) that launches its own processes.
+Layouts: ``--layout`` picks an entry of ``LAYOUTS``. The parallel layouts (``PARALLEL``) launch
+``world`` gloo processes with ``--threads`` threads each; every rank routes ``--tokens``
+tokens. Their floor is ``grouped_swiglu`` on exactly the rows that rank's experts received,
+with its local weight shards. Per repeat, step and floor are each timed on every rank between
+barriers; the repeat's ratio is (slowest rank's step) / (slowest rank's floor), and the
+reported figures are medians over repeats.
 """
 
 # ruff: noqa: N806
@@ -21,13 +26,16 @@ same signature (``args -> dict of timings``) that launches its own processes.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from dtensor_moe.moe import MoE, MoEConfig, grouped_swiglu
+from dtensor_moe.moe import MoE, MoEConfig, TokenDispatcher, grouped_swiglu
 from dtensor_moe.moe.experts import resolve_compute_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -96,7 +104,161 @@ def run_single(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-LAYOUTS: dict[str, Callable[[argparse.Namespace], dict[str, object]]] = {"single": run_single}
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A parallel layout: ``build_moe_meshes`` arguments and ``parallelize_moe`` options."""
+
+    meshes: dict
+    sequence_parallel: bool
+    expert_tp_dispatch: str = "all_to_all"
+    world: int = 4
+
+
+PARALLEL: dict[str, ParallelLayout] = {
+    "ep4": ParallelLayout({"dp": 4, "ep": 4}, False),  # dp2ep
+    "ep2": ParallelLayout({"dp": 4, "ep": 2}, False),
+    "ep2tp2": ParallelLayout({"dp": 2, "ep": 2, "tp": 2, "expert_tp": True}, True),
+    "ep2tp2_gather": ParallelLayout({"dp": 2, "ep": 2, "tp": 2, "expert_tp": True}, True, "gather"),
+    "etp2": ParallelLayout({"dp": 2, "ep": 1, "tp": 2, "expert_tp": True}, True),
+    "sp2ep": ParallelLayout({"dp": 2, "ep": 2, "tp": 2}, True),  # EP borrows the tp ranks
+    "sp2ep4": ParallelLayout({"dp": 2, "ep": 4, "tp": 2}, True),
+    "tp2ep": ParallelLayout({"dp": 2, "ep": 2, "tp": 2}, False),  # replicated input, 1/tp each
+}
+
+
+def _parallel_input(args, layout: ParallelLayout, meshes, dtype) -> tuple[torch.Tensor, ...]:
+    """This rank's MoE input and upstream gradient; every rank routes ``args.tokens`` tokens.
+
+    Under tp, a data-parallel group holds one sequence of ``tokens * tp`` tokens: a
+    ``Shard(1)`` DTensor (each tp rank routes its shard) or a ``Replicate()`` one (each routes a
+    ``1/tp`` slice).
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    tp = meshes.tp
+    torch.manual_seed(1 + dist.get_rank() // tp)
+    x = torch.randn(1, args.tokens * tp, args.dim, dtype=dtype)
+    grad_y = torch.randn_like(x)
+    if tp == 1:
+        return x.requires_grad_(), grad_y
+    placement = [Shard(1) if layout.sequence_parallel else Replicate()]
+    mesh = meshes.dense["tp"]
+    x = distribute_tensor(x, mesh, placement).requires_grad_()
+    return x, distribute_tensor(grad_y, mesh, placement).to_local()
+
+
+def _captured_rows(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed rows and counts that reach this rank's experts in one forward."""
+    seen = {}
+    compute = moe.experts.compute
+
+    def capture(routed_RD, counts_e):
+        seen["rows"] = (routed_RD.detach().clone(), counts_e.clone())
+        return compute(routed_RD, counts_e)
+
+    dispatcher = moe.experts.dispatcher
+    moe.experts.compute = capture
+    # The plain dispatch -> compute -> combine path, so that ``compute`` sees every routed row.
+    dispatcher.run_experts = functools.partial(TokenDispatcher.run_experts, dispatcher)
+    try:
+        with torch.no_grad():
+            moe(x)
+    finally:
+        del moe.experts.compute, dispatcher.run_experts
+    return seen["rows"]
+
+
+def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    from dtensor_moe.moe.experts import local_expert_weight
+    from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
+
+    layout = PARALLEL[args.layout]
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=layout.world
+    )
+    meshes = build_moe_meshes(**layout.meshes)
+    moe, _, _ = _build(args)
+    parallelize_moe(
+        moe,
+        meshes,
+        sequence_parallel=layout.sequence_parallel,
+        expert_tp_dispatch=layout.expert_tp_dispatch,
+    )
+    x, grad_y = _parallel_input(args, layout, meshes, DTYPES[args.dtype])
+    routed_RD, counts_e = _captured_rows(moe, x)
+    routed_RD.requires_grad_()
+    ex = moe.experts
+    w1, w2, w3 = (local_expert_weight(w).detach().requires_grad_() for w in (ex.w1, ex.w2, ex.w3))
+    path = resolve_compute_path(args.path, routed_RD, w1, counts_e.tolist())
+    grad_RD = torch.randn_like(routed_RD)
+
+    def step() -> None:
+        y = moe(x)
+        (y.to_local() if hasattr(y, "to_local") else y).backward(grad_y)
+
+    def floor() -> None:
+        grouped_swiglu(routed_RD, w1, w2, w3, counts_e, path).backward(grad_RD)
+
+    def synced(fn: Callable[[], None]) -> float:
+        for t in (x, routed_RD, w1, w2, w3, *moe.parameters()):
+            t.grad = None  # as after optimizer.zero_grad(): no accumulation in either
+        dist.barrier()
+        elapsed = torch.tensor([_timed(fn)])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    for _ in range(args.warmup):
+        synced(step), synced(floor)
+    steps, floors = [], []
+    for _ in range(args.repeats):
+        steps.append(synced(step))
+        floors.append(synced(floor))
+    rows = torch.tensor([routed_RD.shape[0]])
+    all_rows = [torch.zeros_like(rows) for _ in range(layout.world)]
+    dist.all_gather(all_rows, rows)
+    if rank == 0:
+        queue.put(
+            {
+                "path": path,
+                "counts": [int(r) for r in all_rows],
+                "step_ms": 1e3 * statistics.median(steps),
+                "floor_ms": 1e3 * statistics.median(floors),
+                "ratio": statistics.median(s / f for s, f in zip(steps, floors)),
+            }
+        )
+    dist.destroy_process_group()
+
+
+def run_parallel(args: argparse.Namespace) -> dict[str, object]:
+    """``world`` gloo processes, one layout; see the module docstring."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    world = PARALLEL[args.layout].world
+    procs = [
+        ctx.Process(target=_parallel_worker, args=(r, args, port, queue)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        result = queue.get(timeout=1800)
+    finally:
+        for p in procs:
+            p.join()
+    return result
+
+
+LAYOUTS: dict[str, Callable[[argparse.Namespace], dict[str, object]]] = {
+    "single": run_single,
+    **{name: run_parallel for name in PARALLEL},
+}
 
 
 def _parse() -> argparse.Namespace:
@@ -127,7 +289,8 @@ def main() -> None:
         f"experts={args.experts} top_k={args.top_k} shared={args.shared} dtype={args.dtype} "
         f"threads={args.threads} repeats={args.repeats}"
     )
-    print(f"expert path: {result['path']}  rows per expert: {result['counts']}")
+    rows = "rows per rank" if args.layout in PARALLEL else "rows per expert"
+    print(f"expert path: {result['path']}  {rows}: {result['counts']}")
     print(f"step  (layer fwd+bwd, median): {result['step_ms']:8.2f} ms")
     print(f"floor (experts fwd+bwd, median): {result['floor_ms']:6.2f} ms")
     print(f"overhead (step - floor): {result['step_ms'] - result['floor_ms']:6.2f} ms")

@@ -12,9 +12,21 @@ from dtensor_moe.moe.dispatch import (
     sort_by_expert,
     unpermute_and_reduce,
 )
-from dtensor_moe.moe.experts import GroupedExperts, SharedExperts, grouped_swiglu
+from dtensor_moe.moe.experts import (
+    GroupedExperts,
+    SharedExperts,
+    grouped_swiglu,
+    local_expert_weight,
+    swiglu_mlp,
+)
 from dtensor_moe.moe.layer import MoE
-from dtensor_moe.moe.router import RouterOutput, TokenChoiceTopKRouter, sequence_aux_loss
+from dtensor_moe.moe.router import (
+    RouterOutput,
+    TokenChoiceTopKRouter,
+    aux_loss_from_sums,
+    sequence_aux_loss,
+    sequence_sums,
+)
 
 __all__ = [
     "AuxLossBackward",
@@ -28,11 +40,15 @@ __all__ = [
     "TokenChoiceTopKRouter",
     "TokenDispatcher",
     "attach_aux_loss",
+    "aux_loss_from_sums",
     "grouped_swiglu",
+    "local_expert_weight",
     "permute_tokens",
     "scores_in_rows",
     "sequence_aux_loss",
+    "sequence_sums",
     "sort_by_expert",
+    "swiglu_mlp",
     "unpermute_and_reduce",
     "update_expert_bias",
 ]

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from dtensor_moe import _compat
 from dtensor_moe.moe.balance import attach_aux_loss
 from dtensor_moe.moe.experts import swiglu_mlp
 from dtensor_moe.moe.layer import MoE
@@ -242,6 +243,10 @@ class TokenParallelForward:
         else:
             meta = TokenShardMeta.from_shape(B, L, tp, "flat")
             x = x_in.view(B * L, D).redistribute(self.mesh, [Shard(0)])
+        local_len = _compat.local_tensor(x).shape[meta.tensor_dim]
+        assert local_len == meta.local_len(rank), (
+            f"DTensor's split ({local_len} rows) disagrees with {meta} on tp rank {rank}"
+        )
         sequence_T = meta.global_token_index(rank, device=device) // max(L, 1)
         return _Tokens(x=x, region_output=x.placements[0], sequence_T=sequence_T, owned=None)
 

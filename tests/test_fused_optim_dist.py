@@ -13,7 +13,6 @@ import dtensor_moe  # noqa: F401  (registers the handlers)
 from tests._dist import DistTestBase
 from tests._optim_cases import (
     OPTIM_CASES,
-    PARAM_LAYOUT,
     build_meshes,
     distribute,
     full_grads,

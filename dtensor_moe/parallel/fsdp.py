@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
@@ -140,7 +139,3 @@ def fully_shard_moe(
     fully_shard(model, mesh=meshes.dense["dp"], **kwargs)
     return model
 
-
-def expert_params(model: nn.Module) -> list[torch.nn.Parameter]:
-    """The params of every ``moe.experts`` module of ``model`` (for logging or param groups)."""
-    return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]

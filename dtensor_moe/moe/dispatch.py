@@ -22,8 +22,9 @@ one forward needs goes into its metadata (a frozen dataclass that may subclass
 Note [Deterministic combine]: no step accumulates with atomics or ``index_add``. Forward
 gathers rows by index. The backward of the token gather adds the ``K`` row gradients of each
 token in ``k`` order (one gather per ``k``); the backward of the combine
-gather copies each gradient row to its unique routed row (``index_copy``). Results are the same
-bits run to run, on CPU and on accelerators.
+gather copies each gradient row to its unique routed row (``index_copy``, or a gather by the
+inverse permutation when there is no padding). Results are the same bits run to run, on CPU
+and on accelerators.
 """
 
 # ruff: noqa: N803, N806, N815
@@ -171,31 +172,46 @@ def scores_in_rows(scores_TK: torch.Tensor, layout: ExpertLayout) -> torch.Tenso
 
 
 class _UnpermuteRows(torch.autograd.Function):
-    """``out_ND = src_RD[row_N]`` with unique ``row_N``; backward writes each row once."""
+    """``out_ND = src_RD[row_N]`` with unique ``row_N``; backward writes each row once.
+
+    With ``order_R`` (the inverse permutation: ``row_N[order_R[r]] == r``, so ``R == N``) the
+    backward is one gather, ``grad_ND[order_R]``, instead of zero-filling and scattering.
+    """
 
     @staticmethod
-    def forward(ctx: Any, src_RD: torch.Tensor, row_N: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(row_N)
-        ctx.num_rows = src_RD.shape[0]
+    def forward(
+        ctx: Any, src_RD: torch.Tensor, row_N: torch.Tensor, order_R: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(row_N if order_R is None else order_R)
+        ctx.num_rows, ctx.inverse = src_RD.shape[0], order_R is not None
         return src_RD.index_select(0, row_N)
 
     @staticmethod
-    def backward(ctx: Any, grad_ND: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (row_N,) = ctx.saved_tensors
+    def backward(ctx: Any, grad_ND: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (index,) = ctx.saved_tensors
+        if ctx.inverse:
+            return grad_ND.index_select(0, index), None, None
         grad_RD = grad_ND.new_zeros(ctx.num_rows, grad_ND.shape[-1])
-        return grad_RD.index_copy_(0, row_N, grad_ND), None
+        return grad_RD.index_copy_(0, index, grad_ND), None, None
 
 
 def unpermute_and_reduce(
-    out_RD: torch.Tensor, row_TK: torch.Tensor, scores_TK: torch.Tensor | None
+    out_RD: torch.Tensor,
+    row_TK: torch.Tensor,
+    scores_TK: torch.Tensor | None,
+    *,
+    order_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The shared combine tail: ``y_TD[t] = sum_k scores_TK[t, k] * out_RD[row_TK[t, k]]``.
 
     With ``scores_TK=None`` the ``K`` rows are summed unweighted. Rows not named by ``row_TK``
-    (alignment padding) reach neither the output nor the gradients.
+    (alignment padding) reach neither the output nor the gradients. ``order_N``: the inverse
+    of ``row_TK.reshape(-1)`` when that is a permutation of the rows of ``out_RD`` (no padding;
+    ``ExpertLayout.order_N``), which makes the backward a single gather.
     """
     T, K = row_TK.shape
-    out_TKD = _UnpermuteRows.apply(out_RD, row_TK.reshape(-1)).view(T, K, out_RD.shape[-1])
+    out_TKD = _UnpermuteRows.apply(out_RD, row_TK.reshape(-1), order_N)
+    out_TKD = out_TKD.view(T, K, out_RD.shape[-1])
     if scores_TK is None:
         return out_TKD[:, 0] if K == 1 else out_TKD.sum(dim=1)
     if K == 1:

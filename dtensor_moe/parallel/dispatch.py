@@ -185,6 +185,99 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(a, b, offs=offs)
 
 
+def _swiglu_forward(
+    x_RD: torch.Tensor, w1_eHD: torch.Tensor, w2_eDH: torch.Tensor, w3_eHD: torch.Tensor, offs
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Grouped SwiGLU on row groups ending at ``offs``; returns the output and what backward needs.
+
+    The same ``grouped_mm`` calls as ``grouped_swiglu``; the backward is
+    :func:`_swiglu_input_grad` then :func:`_swiglu_weight_grads`.
+    """
+    gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
+    up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
+    h_RH = torch.nn.functional.silu(gate_RH) * up_RH
+    return _gmm(h_RH, w2_eDH.transpose(-2, -1), offs), (x_RD, gate_RH, up_RH, h_RH)
+
+
+def _swiglu_input_grad(
+    grad_RD: torch.Tensor, saved: tuple[torch.Tensor, ...], weights: tuple, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_x_RD, grad_gate_RH, grad_up_RH)`` of :func:`_swiglu_forward`."""
+    _, gate_RH, up_RH, _ = saved
+    w1_eHD, w2_eDH, w3_eHD = weights
+    grad_h_RH = _gmm(grad_RD, w2_eDH, offs)
+    grad_gate_RH = torch.ops.aten.silu_backward(grad_h_RH * up_RH, gate_RH)
+    grad_up_RH = grad_h_RH * torch.nn.functional.silu(gate_RH)
+    grad_x_RD = _gmm(grad_gate_RH, w1_eHD, offs) + _gmm(grad_up_RH, w3_eHD, offs)
+    return grad_x_RD, grad_gate_RH, grad_up_RH
+
+
+def _swiglu_weight_grads(
+    grad_RD: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    grad_gate_RH: torch.Tensor,
+    grad_up_RH: torch.Tensor,
+    offs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_w1, grad_w2, grad_w3)`` of :func:`_swiglu_forward`."""
+    x_RD, _, _, h_RH = saved
+    grad_w2 = _gmm(grad_RD.t(), h_RH, offs)
+    grad_w1 = _gmm(grad_gate_RH.t(), x_RD, offs)
+    grad_w3 = _gmm(grad_up_RH.t(), x_RD, offs)
+    return grad_w1, grad_w2, grad_w3
+
+
+class _LocalExperts(torch.autograd.Function):
+    """SwiGLU experts on rows that stay on this rank (``grouped_mm`` path), one autograd node.
+
+    ``forward(x_RD, w1, w2, w3, offs)``: the math of ``grouped_swiglu`` with the same
+    ``grouped_mm`` calls, but one node instead of about ten (three grouped matmuls, their
+    contiguous-gradient guards, ``silu`` and two products), so the backward runs with less
+    autograd and Python work per chunk. Backward: :func:`_swiglu_input_grad` and
+    :func:`_swiglu_weight_grads`; the incoming gradient is made contiguous first (Note
+    [grouped_mm expanded grad] in ``dtensor_moe/moe/experts.py``).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_RD: torch.Tensor,
+        w1_eHD: torch.Tensor,
+        w2_eDH: torch.Tensor,
+        w3_eHD: torch.Tensor,
+        offs: torch.Tensor,
+    ) -> torch.Tensor:
+        out_RD, saved = _swiglu_forward(x_RD, w1_eHD, w2_eDH, w3_eHD, offs)
+        ctx.save_for_backward(*saved, w1_eHD, w2_eDH, w3_eHD)
+        ctx.offs = offs
+        return out_RD
+
+    @staticmethod
+    def backward(ctx: Any, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        *saved, w1_eHD, w2_eDH, w3_eHD = ctx.saved_tensors
+        grad_RD = grad_RD.contiguous()
+        weights = (w1_eHD, w2_eDH, w3_eHD)
+        grad_x_RD, grad_gate_RH, grad_up_RH = _swiglu_input_grad(grad_RD, saved, weights, ctx.offs)
+        grad_ws = _swiglu_weight_grads(grad_RD, saved, grad_gate_RH, grad_up_RH, ctx.offs)
+        return grad_x_RD, *grad_ws, None
+
+
+def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+    """``grouped_mm`` group ends (int32) of host counts."""
+    ends, total = [], 0
+    for c in counts:
+        total += c
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32, device=device)
+
+
+def _own_experts(x_RD: torch.Tensor, weights: tuple, counts: list[int], path: str) -> torch.Tensor:
+    """Experts on this rank's own rows: :class:`_LocalExperts` on the ``grouped_mm`` path."""
+    if resolve_compute_path(path, x_RD, weights[0], counts) != "grouped_mm":
+        return grouped_swiglu(x_RD, *weights, counts, path)
+    return _LocalExperts.apply(x_RD, *weights, _offsets(counts, x_RD.device))
+
+
 class _RemoteExperts(torch.autograd.Function):
     """Token exchange + SwiGLU experts on the received rows (``grouped_mm`` path).
 
@@ -212,30 +305,24 @@ class _RemoteExperts(torch.autograd.Function):
     ) -> torch.Tensor:
         routed_RD = funcol.wait_tensor(pending).index_select(0, token_R)
         offs = torch.cumsum(counts_e, 0, dtype=torch.int32)
-        gate_RH = _gmm(routed_RD, w1_eHD.transpose(-2, -1), offs)
-        up_RH = _gmm(routed_RD, w3_eHD.transpose(-2, -1), offs)
-        h_RH = torch.nn.functional.silu(gate_RH) * up_RH
-        out_RD = _gmm(h_RH, w2_eDH.transpose(-2, -1), offs)
-        ctx.save_for_backward(routed_RD, gate_RH, up_RH, h_RH, w1_eHD, w2_eDH, w3_eHD)
+        out_RD, saved = _swiglu_forward(routed_RD, w1_eHD, w2_eDH, w3_eHD, offs)
+        ctx.save_for_backward(*saved, w1_eHD, w2_eDH, w3_eHD)
         ctx.splits, ctx.token_R, ctx.row_M, ctx.offs = splits, token_R, row_M, offs
         return out_RD.index_select(0, row_M)
 
     @staticmethod
     def backward(ctx: Any, grad_MD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        routed_RD, gate_RH, up_RH, h_RH, w1_eHD, w2_eDH, w3_eHD = ctx.saved_tensors
+        *saved, w1_eHD, w2_eDH, w3_eHD = ctx.saved_tensors
         offs, splits = ctx.offs, ctx.splits
         grad_RD = grad_MD.index_select(0, ctx.token_R)
-        grad_h_RH = _gmm(grad_RD, w2_eDH, offs)
-        grad_gate_RH = torch.ops.aten.silu_backward(grad_h_RH * up_RH, gate_RH)
-        grad_up_RH = grad_h_RH * torch.nn.functional.silu(gate_RH)
-        grad_x_RD = _gmm(grad_gate_RH, w1_eHD, offs) + _gmm(grad_up_RH, w3_eHD, offs)
+        grad_x_RD, grad_gate_RH, grad_up_RH = _swiglu_input_grad(
+            grad_RD, saved, (w1_eHD, w2_eDH, w3_eHD), offs
+        )
         grad_sent = funcol.all_to_all_single(
             grad_x_RD.index_select(0, ctx.row_M), splits.send, splits.recv, splits.mesh
         )
-        grad_w2 = _gmm(grad_RD.t(), h_RH, offs)
-        grad_w1 = _gmm(grad_gate_RH.t(), routed_RD, offs)
-        grad_w3 = _gmm(grad_up_RH.t(), routed_RD, offs)
-        return grad_sent, None, grad_w1, grad_w2, grad_w3, None, None, None, None
+        grad_ws = _swiglu_weight_grads(grad_RD, saved, grad_gate_RH, grad_up_RH, offs)
+        return grad_sent, None, *grad_ws, None, None, None, None
 
 
 class AllToAllTokenDispatcher(TokenDispatcher):
@@ -381,7 +468,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         weights, path = experts.local_weights(), experts.compute_path
         own1_e, own2_e = _split_counts(own_e, sum(own_e) // 2)
         own1_ND, own2_ND = own_ND.split([sum(own1_e), sum(own2_e)])
-        out1_ND = grouped_swiglu(own1_ND, *weights, own1_e, path)
+        out1_ND = _own_experts(own1_ND, weights, own1_e, path)
         remote_out_MD = self._remote_experts(
             remote_ND,
             pending,
@@ -391,10 +478,11 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             path,
         )
         pending = funcol.all_to_all_single(remote_out_MD.detach(), send, recv, self.mesh)
-        out2_ND = grouped_swiglu(own2_ND, *weights, own2_e, path)
+        out2_ND = _own_experts(own2_ND, weights, own2_e, path)
         returned_ND = _Exchange.apply(remote_out_MD, pending, send, recv, self.mesh)
         out_ND = torch.cat([returned_ND, out1_ND, out2_ND])
-        return self._finish(unpermute_and_reduce(out_ND, layout.row_TK, scores_TX))
+        y_TD = unpermute_and_reduce(out_ND, layout.row_TK, scores_TX, order_N=layout.order_N)
+        return self._finish(y_TD)
 
     def _destinations(
         self, topk_scores_TK: torch.Tensor, topk_ids_TK: torch.Tensor, counts_E: torch.Tensor
@@ -442,7 +530,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             )
         received_MD = _Exchange.apply(remote_ND, pending, splits.recv, splits.send, splits.mesh)
         out_RD = grouped_swiglu(permute_tokens(received_MD, local), *weights, counts, path)
-        return unpermute_and_reduce(out_RD, local.row_TK, None)
+        return unpermute_and_reduce(out_RD, local.row_TK, None, order_N=local.order_N)
 
     def _finish(self, y_TD: torch.Tensor) -> torch.Tensor:
         if self.partial_mesh is None:

@@ -16,6 +16,7 @@ creates the optimizer state) is reported separately.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -28,6 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dtensor_moe  # noqa: F401  (registers the fused-optimizer handlers)
+from dtensor_moe._compat import subclass_torch_function_disabled
+from dtensor_moe.optim.fast_step import fast_step_applies
 
 WORLD = 4
 CASES = {"200 x 64x64": (200, 64), "8 x 1024x1024": (8, 1024)}
@@ -65,15 +68,43 @@ def _time_step(opt) -> float:
 
 
 def _time_init_group(opt) -> float:
-    """CPU time of torch.optim's own per-param bookkeeping (``_init_group``), no kernel."""
+    """CPU time of torch.optim's own per-param bookkeeping (``_init_group``), no kernel.
+
+    Run as inside ``step()``: without grad, and with Note [Fast step]'s context where it applies.
+    """
     group = opt.param_groups[0]
     lists: list[list] = [[] for _ in range(6)]
-    start = time.thread_time()
-    opt._init_group(group, *lists)
-    return time.thread_time() - start
+    fast = fast_step_applies(opt)
+    with torch.no_grad(), subclass_torch_function_disabled() if fast else contextlib.nullcontext():
+        start = time.thread_time()
+        opt._init_group(group, *lists)
+        return time.thread_time() - start
 
 
-def _bench_case(num: int, size: int, steps: int, repeats: int) -> dict:
+def _timed_turns(opt_dt, opt_plain, steps: int, concurrency: int):
+    """Per-step times of both optimizers, ``concurrency`` ranks stepping at a time.
+
+    Ranks ``[k * concurrency, (k + 1) * concurrency)`` take turn ``k``; the others wait in a
+    barrier (gloo waits without spinning), so with ``concurrency`` equal to the number of cores
+    each timed step has a core to itself, as each rank does on a real cluster.
+    """
+    rank = dist.get_rank()
+    t_dt, t_plain = [], []
+    for turn in range(0, WORLD, concurrency):
+        dist.barrier()
+        if turn <= rank < turn + concurrency:
+            for i in range(steps):  # interleaved, alternating which goes first
+                if i % 2:
+                    t_plain.append(_time_step(opt_plain))
+                    t_dt.append(_time_step(opt_dt))
+                else:
+                    t_dt.append(_time_step(opt_dt))
+                    t_plain.append(_time_step(opt_plain))
+    dist.barrier()
+    return t_dt, t_plain
+
+
+def _bench_case(num: int, size: int, steps: int, repeats: int, concurrency: int) -> dict:
     dt_params, plain_params = _make_params(num, size)
     _set_grads(dt_params)
     _set_grads(plain_params)
@@ -82,15 +113,7 @@ def _bench_case(num: int, size: int, steps: int, repeats: int) -> dict:
     first_dt, first_plain = _time_step(opt_dt), _time_step(opt_plain)
     ratios, dt_times, plain_times, book_dt, book_plain = [], [], [], [], []
     for _ in range(repeats):
-        dist.barrier()
-        t_dt, t_plain = [], []
-        for i in range(steps):  # interleaved, alternating which goes first
-            if i % 2:
-                t_plain.append(_time_step(opt_plain))
-                t_dt.append(_time_step(opt_dt))
-            else:
-                t_dt.append(_time_step(opt_dt))
-                t_plain.append(_time_step(opt_plain))
+        t_dt, t_plain = _timed_turns(opt_dt, opt_plain, steps, concurrency)
         book_dt.append(statistics.median(_time_init_group(opt_dt) for _ in range(steps)))
         book_plain.append(statistics.median(_time_init_group(opt_plain) for _ in range(steps)))
         dt_times.append(statistics.median(t_dt))
@@ -107,23 +130,26 @@ def _bench_case(num: int, size: int, steps: int, repeats: int) -> dict:
     }
 
 
-def _worker(rank: int, port: int, steps: int, repeats: int) -> None:
+def _worker(rank: int, port: int, steps: int, repeats: int, modes: list[int]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         for label, (num, size) in CASES.items():
-            res = _bench_case(num, size, steps if size < 512 else max(10, steps // 4), repeats)
-            if rank == 0:
-                print(
-                    f"{label:>14}: DTensor {res['dtensor_ms']:.3f} ms | plain {res['plain_ms']:.3f}"
-                    f" ms | ratio {res['ratio']:.3f} (per-repeat "
-                    f"{', '.join(f'{r:.3f}' for r in res['ratios'])}) | first step DTensor "
-                    f"{res['first_dtensor_ms']:.1f} ms, plain {res['first_plain_ms']:.1f} ms | "
-                    f"of the gap, torch.optim's own per-param bookkeeping on DTensors: "
-                    f"{res['bookkeeping_extra_ms']:.3f} ms",
-                    flush=True,
-                )
+            for concurrency in modes:
+                case_steps = steps if size < 512 else max(10, steps // 4)
+                res = _bench_case(num, size, case_steps, repeats, concurrency)
+                if rank == 0:
+                    print(
+                        f"{label:>14}, {concurrency} of {WORLD} ranks stepping at once: DTensor "
+                        f"{res['dtensor_ms']:.3f} ms | plain {res['plain_ms']:.3f} ms | ratio "
+                        f"{res['ratio']:.3f} (per-repeat "
+                        f"{', '.join(f'{r:.3f}' for r in res['ratios'])}) | first step DTensor "
+                        f"{res['first_dtensor_ms']:.1f} ms, plain {res['first_plain_ms']:.1f} ms | "
+                        f"torch.optim's per-param bookkeeping, DTensor minus plain: "
+                        f"{res['bookkeeping_extra_ms']:.3f} ms",
+                        flush=True,
+                    )
     finally:
         dist.destroy_process_group()
 
@@ -132,12 +158,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=50, help="timed steps per repeat")
     parser.add_argument("--repeats", type=int, default=5, help="repeats; medians are printed")
+    parser.add_argument(
+        "--concurrency", type=int, action="append",
+        help="ranks stepping at once (repeatable); default: one per core, and all 4",
+    )
     args = parser.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    modes = args.concurrency or sorted({min(WORLD, cores), WORLD})
+    if any(not 1 <= c <= WORLD or WORLD % c for c in modes):
+        parser.error(f"--concurrency must divide {WORLD}, got {modes}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    print(f"fused AdamW step, {WORLD} gloo processes x 1 thread, torch {torch.__version__}")
-    mp.spawn(_worker, args=(port, args.steps, args.repeats), nprocs=WORLD)
+    print(
+        f"fused AdamW step, {WORLD} gloo processes x 1 thread, {cores} cores, "
+        f"torch {torch.__version__}"
+    )
+    mp.spawn(_worker, args=(port, args.steps, args.repeats, modes), nprocs=WORLD)
 
 
 if __name__ == "__main__":

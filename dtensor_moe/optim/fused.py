@@ -367,10 +367,12 @@ def register_strategies() -> None:
     Called when ``dtensor_moe`` is imported. Replaces torch's own rules for the fused Adam and
     AdamW overloads (logged at INFO) and adds the missing SGD, Adagrad and ``.out`` ones, plus
     the GradScaler inf-check handler of :mod:`dtensor_moe.optim.scaler`, and wraps the four
-    in-place ``torch._fused_*_`` entry points (see Note [Fused fast entry]). Clears DTensor's
+    in-place ``torch._fused_*_`` entry points (see Note [Fused fast entry]) and the ``step`` of
+    Adam, AdamW, SGD and Adagrad (see Note [Fast step] in ``fast_step.py``). Clears DTensor's
     sharding-propagation cache so the change takes effect at once.
     """
     global _REGISTERED
+    from dtensor_moe.optim.fast_step import install_fast_step
     from dtensor_moe.optim.scaler import register_found_inf_handler
 
     handlers = _compat.custom_op_handlers()
@@ -380,6 +382,7 @@ def register_strategies() -> None:
     register_found_inf_handler()
     for name in _FAST_ENTRY_NAMES:
         _compat.patch_torch_function(name, _make_fast_entry(name))
+    install_fast_step()
     if not _REGISTERED:
         logger.info(
             "dtensor_moe: installed DTensor handlers for %d fused optimizer overloads "

@@ -1,0 +1,173 @@
+"""Note [Fast step]: the wrapped ``step()`` of Adam, AdamW, SGD and Adagrad.
+
+It must change nothing but speed: bit-identical results with and without it, no collective,
+torch's own ``step`` for anything that is not DTensor/plain params, and the step hooks and
+closures keep working. The aligned-slot cache (Note [Aligned-slot cache]) is checked here too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
+
+import dtensor_moe
+from dtensor_moe import _compat
+from dtensor_moe.optim.fast_step import FAST_STEP_CLASSES, fast_step_applies
+from tests._dist import DistTestBase
+
+
+class RecordingTensor(torch.Tensor):
+    """A subclass with a real ``__torch_function__`` that counts the calls it sees."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        RecordingTensor.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _recording_init_group(opt, seen: list):
+    """Record, at every ``_init_group``, whether subclass ``__torch_function__`` is enabled."""
+    original = opt._init_group
+
+    def init_group(*args, **kwargs):
+        seen.append(torch._C._is_torch_function_enabled())
+        return original(*args, **kwargs)
+
+    opt._init_group = init_group
+
+
+def _torch_step(opt) -> None:
+    """torch's own ``step`` of ``opt``, without our wrapper (or torch's hook wrapper)."""
+    step = type(opt).step
+    while getattr(step, "_dtensor_moe_fast_step", False):
+        step = step.__wrapped__
+    step(opt)
+
+
+class FastStepInstallTest(TestCase):
+    def test_step_is_wrapped_once(self):
+        for cls in FAST_STEP_CLASSES:
+            self.assertTrue(getattr(cls.step, "_dtensor_moe_fast_step", False), cls)
+        before = {cls: cls.step for cls in FAST_STEP_CLASSES}
+        dtensor_moe.register_strategies()  # idempotent: no second wrapper
+        self.assertEqual(before, {cls: cls.step for cls in FAST_STEP_CLASSES})
+
+    def test_plain_params_take_torchs_step(self):
+        p = torch.nn.Parameter(torch.randn(4, 4))
+        p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+        self.assertFalse(fast_step_applies(opt))
+        seen: list[bool] = []
+        _recording_init_group(opt, seen)
+        opt.step()
+        self.assertEqual(seen, [True])
+
+    def test_other_subclass_keeps_its_torch_function(self):
+        p = RecordingTensor._make_subclass(RecordingTensor, torch.randn(4), require_grad=True)
+        p.grad = torch.ones(4)
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        self.assertFalse(fast_step_applies(opt))
+        RecordingTensor.calls = 0
+        opt.step()
+        self.assertGreater(RecordingTensor.calls, 0)
+
+
+class FastStepDistTest(DistTestBase):
+    def _params(self):
+        world = init_device_mesh("cpu", (4,))
+        mesh2d = init_device_mesh("cpu", (2, 2))
+        gen = torch.Generator().manual_seed(0)
+        fulls = [torch.randn(7, 6, generator=gen) for _ in range(4)]
+        params = [
+            distribute_tensor(f, world, [Shard(0)]) if i % 2 == 0
+            else distribute_tensor(f, mesh2d, [Shard(0), Shard(1)])
+            for i, f in enumerate(fulls)
+        ]
+        params = [torch.nn.Parameter(p) for p in params]
+        for i, p in enumerate(params):
+            p.grad = distribute_tensor(
+                torch.full(p.shape, 0.1 * (i + 1)), p.device_mesh, p.placements
+            )
+        return params
+
+    @with_comms
+    def test_fast_step_is_bit_identical_and_communication_free(self):
+        for make in (
+            lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True, amsgrad=True),
+            lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.1), fused=True),
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, fused=True),
+            lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, fused=True),
+            lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
+        ):
+            fast_params, slow_params = self._params(), self._params()
+            fast, slow = make(fast_params), make(slow_params)
+            self.assertTrue(fast_step_applies(fast))
+            seen: list[bool] = []
+            _recording_init_group(fast, seen)
+            with CommDebugMode() as comm:
+                for _ in range(3):
+                    fast.step()
+            self.assertEqual(comm.get_total_counts(), 0)
+            self.assertEqual(seen, [False] * 3)  # the fast region really was entered
+            slow_seen: list[bool] = []
+            _recording_init_group(slow, slow_seen)
+            for _ in range(3):
+                _torch_step(slow)
+            self.assertEqual(slow_seen, [True] * 3)
+            for a, b in zip(fast_params, slow_params):
+                self.assertEqual(a.to_local(), b.to_local(), atol=0, rtol=0)
+
+    @with_comms
+    def test_hooks_closure_and_param_changes(self):
+        params = self._params()
+        opt = torch.optim.AdamW(params[:2], lr=0.1, fused=True)
+        calls: list[str] = []
+        opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+        opt.register_step_post_hook(lambda *_: calls.append("post"))
+        seen: list[bool] = []
+        _recording_init_group(opt, seen)
+        opt.step()
+        self.assertEqual(calls, ["pre", "post"])
+        loss = opt.step(closure=lambda: torch.tensor(1.5))  # a closure takes torch's own path
+        self.assertEqual(loss, torch.tensor(1.5))
+        self.assertEqual(seen, [False, True])
+        # A new param group with a subclass param changes the verdict at once.
+        extra = RecordingTensor._make_subclass(RecordingTensor, torch.randn(3), require_grad=True)
+        extra.grad = torch.ones(3)
+        opt.add_param_group({"params": [extra]})
+        self.assertFalse(fast_step_applies(opt))
+        opt.param_groups.pop()
+        self.assertTrue(fast_step_applies(opt))
+
+    @with_comms
+    def test_aligned_cache_adopts_equal_new_specs(self):
+        first = self._params()
+        second = [  # the same layouts, new DTensorSpec objects
+            DTensor.from_local(
+                p.to_local().clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
+            for p in first
+        ]
+        for p, q in zip(first, second):
+            self.assertIsNot(p._spec, q._spec)
+            self.assertEqual(p._spec, q._spec)
+        key = "test-canonical"
+        a = _compat.dtensor_specs(first, canonical_key=key)
+        self.assertIs(_compat.dtensor_specs(first, canonical_key=key), a)
+        # Equal specs of other tensors are adopted, not matched against the old objects forever.
+        b = _compat.dtensor_specs(second, canonical_key=key)
+        self.assertIsNot(b, a)
+        self.assertTrue(all(x is y._spec for x, y in zip(b, second)))
+        self.assertIs(_compat.dtensor_specs(second, canonical_key=key), b)
+        self.assertIsNone(_compat.dtensor_specs([first[0], torch.zeros(2)]))
+        self.assertIsInstance(first[0], DTensor)
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -26,6 +26,7 @@ __all__ = [
     "local_tensor",
     "local_tensors",
     "original_torch_function",
+    "patch_optimizer_grouping",
     "patch_torch_function",
     "locals_if_aligned",
     "replace_dtensor_storage",
@@ -161,13 +162,16 @@ def _remember(key: tuple, entry: tuple) -> None:
     _ALIGNED[key] = entry
 
 
+_PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def _plain_scalars_ok(key: tuple, values: list) -> bool:
     """Whether ``values`` are all plain 0-dim tensors (cached on the tensors' identities)."""
     cached = _ALIGNED.get(key)
     vals = tuple(values)
     if cached is not None and _same_objects(cached[0], vals):
         return True
-    if DTensor in set(map(type, vals)) or any(map(torch.Tensor.dim, vals)):
+    if not set(map(type, vals)) <= _PLAIN_TENSOR_TYPES or any(map(torch.Tensor.dim, vals)):
         return False
     _remember(key, (vals,))
     return True
@@ -231,6 +235,23 @@ def patch_torch_function(name: str, make_wrapper: Callable[[Callable], Callable]
     if name not in _ORIGINAL_TORCH_FUNCTIONS:
         _ORIGINAL_TORCH_FUNCTIONS[name] = getattr(torch, name)
     setattr(torch, name, make_wrapper(_ORIGINAL_TORCH_FUNCTIONS[name]))
+
+
+_ORIGINAL_GROUPING: list[Callable] = []
+
+
+def patch_optimizer_grouping(make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``torch.optim.Optimizer._group_tensors_by_device_and_dtype`` (a private
+    staticmethod that every foreach/fused ``torch.optim`` functional calls once per step to
+    bucket its tensor lists by device and dtype) by ``make_wrapper(original)``, idempotently.
+
+    See Note [Local grouping] in ``dtensor_moe/optim/fast_step.py``.
+    """
+    if not _ORIGINAL_GROUPING:
+        _ORIGINAL_GROUPING.append(torch.optim.Optimizer._group_tensors_by_device_and_dtype)
+    torch.optim.Optimizer._group_tensors_by_device_and_dtype = staticmethod(
+        make_wrapper(_ORIGINAL_GROUPING[0])
+    )
 
 
 def in_backward_pass() -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
@@ -102,6 +102,7 @@ class FastStepDistTest(DistTestBase):
             lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True, amsgrad=True),
             lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.1), fused=True),
             lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, fused=True),
+            lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1, fused=True),  # no momentum
             lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, fused=True),
             lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
         ):
@@ -122,6 +123,31 @@ class FastStepDistTest(DistTestBase):
             self.assertEqual(slow_seen, [True] * 3)
             for a, b in zip(fast_params, slow_params):
                 self.assertEqual(a.to_local(), b.to_local(), atol=0, rtol=0)
+
+    @with_comms
+    def test_fused_kernel_gets_local_tensors_in_a_fast_step(self):
+        # Note [Local grouping]: aligned lists reach the kernel as plain local tensors; with a
+        # closure (torch's own step) the kernel is reached with DTensors, through the handler.
+        params = self._params()
+        opt = torch.optim.AdamW(params, lr=0.1, fused=True)
+        seen: list[set] = []
+        kernel = torch._fused_adamw_
+
+        def recording_kernel(*args, **kwargs):
+            seen.append({type(t) for t in args[0]})
+            return kernel(*args, **kwargs)
+
+        torch._fused_adamw_ = recording_kernel
+        try:
+            opt.step()
+            opt.step(closure=lambda: None)
+            # a grad with other placements on its param's mesh: the handler redistributes it
+            params[0].grad = params[0].grad.redistribute(params[0].device_mesh, [Replicate()])
+            opt.step()
+        finally:
+            torch._fused_adamw_ = kernel
+        self.assertEqual(seen, [{torch.Tensor}, {DTensor}, {DTensor}])
+        self.assertEqual(params[0].grad.placements, (Replicate(),))
 
     @with_comms
     def test_hooks_closure_and_param_changes(self):

@@ -27,12 +27,29 @@ The wrapper sits inside torch's own profiling wrapper (which runs the step hooks
 optimizer of that class existed before the import, step hooks registered on it run inside the
 fast region too; that only matters for hooks that rely on another subclass's
 ``__torch_function__``.
+
+Note [Local grouping]
+~~~~~~~~~~~~~~~~~~~~~
+Inside a fast step where every param group is ``fused``, torch.optim's functional (``_fused_adam``
+and its SGD/Adagrad twins) hands its per-slot lists (params, grads, states, ``state_steps``) to
+``Optimizer._group_tensors_by_device_and_dtype`` and calls the fused kernel on what comes back.
+When every list is already aligned with the params (the fast path of Note [Per-slot rule]:
+each DTensor has its param's mesh and placements, ``state_steps`` are plain 0-dim tensors), our
+wrapper of that grouping function returns the *local* tensors instead, bucketed by the same
+function. The kernel then runs on plain tensors directly, exactly as the DTensor handler would
+have run it after unwrapping the same lists, and the grouping and the handler stop paying
+per-DTensor costs. Any list that is not aligned (a slot to redistribute, another mesh, a
+DTensor step counter) makes the wrapper return torch's grouping of the DTensors unchanged, so
+the handler validates, redistributes and writes back, or raises, as always. Outside a fused
+fast step the wrapper calls torch's function unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
+import threading
 import weakref
 
 import torch
@@ -40,7 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_moe import _compat
 
-__all__ = ["FAST_STEP_CLASSES", "fast_step_applies", "install_fast_step"]
+__all__ = ["FAST_STEP_CLASSES", "fast_step_applies", "install_fast_step", "local_lists_if_aligned"]
 
 FAST_STEP_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
@@ -96,20 +113,80 @@ def _check_params(groups: list) -> bool:
     return any_dtensor
 
 
+class _StepState(threading.local):
+    local_grouping = False  # inside a fast step whose groups are all fused
+
+
+_STATE = _StepState()
+
+
 def _wrap_step(step):
     @functools.wraps(step)
     def fast_step(self, closure=None):
         if closure is None and not torch.compiler.is_compiling() and fast_step_applies(self):
-            with _compat.subclass_torch_function_disabled():
-                return step(self)
+            outer = _STATE.local_grouping
+            _STATE.local_grouping = all(g.get("fused") for g in self.param_groups)
+            try:
+                with _compat.subclass_torch_function_disabled():
+                    return step(self)
+            finally:
+                _STATE.local_grouping = outer
         return step(self, closure)
 
     setattr(fast_step, _MARK, True)  # functools.wraps copies it onto torch's profiling wrapper
     return fast_step
 
 
+def local_lists_if_aligned(tensorlistlist: list) -> list | None:
+    """The local tensors of every list, if all are aligned with the params (the first list).
+
+    ``None`` when any list needs the careful per-slot treatment of the DTensor handler; see
+    Note [Local grouping]. Empty lists and all-``None`` lists (SGD without momentum) pass as
+    they are. No communication.
+    """
+    params = tensorlistlist[0]
+    p_specs = _compat.dtensor_specs(params, canonical_key="local-grouping")
+    if p_specs is None:
+        return None
+    out = [_compat.local_tensors(params)]
+    for idx in range(1, len(tensorlistlist)):
+        values = tensorlistlist[idx]
+        if len(values) == 0:
+            out.append(values)
+            continue
+        if len(values) != len(params):
+            return None
+        if values[0] is None:
+            if not all(map(operator.is_, values, itertools.repeat(None))):
+                return None
+            out.append(values)
+            continue
+        local = _compat.locals_if_aligned(p_specs, values, None, slot_key=("local-grouping", idx))
+        if local is None:
+            return None
+        out.append(local)
+    return out
+
+
+def _make_local_grouping(original):
+    def group_tensors_by_device_and_dtype(tensorlistlist, with_indices=False):
+        if _STATE.local_grouping and tensorlistlist and tensorlistlist[0]:
+            local = local_lists_if_aligned(tensorlistlist)
+            if local is not None:
+                return original(local, with_indices)
+        return original(tensorlistlist, with_indices)
+
+    group_tensors_by_device_and_dtype.__wrapped__ = original
+    group_tensors_by_device_and_dtype.__doc__ = (
+        "dtensor_moe wrapper; see Note [Local grouping] in dtensor_moe/optim/fast_step.py."
+    )
+    return group_tensors_by_device_and_dtype
+
+
 def install_fast_step() -> None:
-    """Wrap the ``step`` of :data:`FAST_STEP_CLASSES` (idempotent); see Note [Fast step]."""
+    """Wrap the ``step`` of :data:`FAST_STEP_CLASSES` and torch.optim's tensor grouping
+    (idempotent); see Note [Fast step] and Note [Local grouping]."""
     for cls in FAST_STEP_CLASSES:
         if not getattr(cls.step, _MARK, False):
             cls.step = _wrap_step(cls.step)
+    _compat.patch_optimizer_grouping(_make_local_grouping)

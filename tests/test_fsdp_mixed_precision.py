@@ -61,7 +61,7 @@ class FSDPMixedPrecisionTest(DistTestBase):
             for module in model.modules():
                 if isinstance(module, dtensor_moe.MoE):
                     module.experts.register_forward_hook(
-                        lambda mod, args, out: compute_dtypes.append(_local(out).dtype)
+                        lambda mod, args, out, seen=compute_dtypes: seen.append(_local(out).dtype)
                     )
             rows = local_rows(name, self.rank, 8)
             for step, tokens in enumerate(batches):

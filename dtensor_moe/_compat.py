@@ -143,11 +143,21 @@ def local_tensors(values: list) -> list[torch.Tensor]:
     return [v._local_tensor for v in values]
 
 
+def _dtype_of(spec: DTensorSpec) -> torch.dtype | None:
+    meta = spec.tensor_meta
+    return None if meta is None else meta.dtype
+
+
 def _specs_aligned(p_specs: tuple, v_specs: tuple) -> bool:
+    """Same mesh, placements and dtype, slot by slot (run on cache misses only)."""
     for p, v in zip(p_specs, v_specs):
         if v is p:
             continue
-        if (v.mesh is not p.mesh and v.mesh != p.mesh) or v.placements != p.placements:
+        if (
+            (v.mesh is not p.mesh and v.mesh != p.mesh)
+            or v.placements != p.placements
+            or _dtype_of(v) != _dtype_of(p)
+        ):
             return False
     return True
 
@@ -163,15 +173,21 @@ def _remember(key: tuple, entry: tuple) -> None:
 
 
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_STEP_DTYPES = frozenset({torch.float32, torch.float64})
 
 
 def _plain_scalars_ok(key: tuple, values: list) -> bool:
-    """Whether ``values`` are all plain 0-dim tensors (cached on the tensors' identities)."""
+    """Whether ``values`` are all plain 0-dim float32/float64 tensors, as ``torch.optim``'s
+    ``state_steps`` are (cached on the tensors' identities)."""
     cached = _ALIGNED.get(key)
     vals = tuple(values)
     if cached is not None and _same_objects(cached[0], vals):
         return True
-    if not set(map(type, vals)) <= _PLAIN_TENSOR_TYPES or any(map(torch.Tensor.dim, vals)):
+    if (
+        not set(map(type, vals)) <= _PLAIN_TENSOR_TYPES
+        or any(map(torch.Tensor.dim, vals))
+        or not {t.dtype for t in vals} <= _STEP_DTYPES
+    ):
         return False
     _remember(key, (vals,))
     return True
@@ -182,10 +198,10 @@ def locals_if_aligned(
 ) -> list[torch.Tensor] | None:
     """Local tensors of ``values`` if no slot needs redistribution or a careful check.
 
-    A list passes when every entry is a DTensor with its param's mesh and placements (``p_specs``
-    are the params' specs from ``dtensor_specs(params, canonical_key=...)``, ``None`` when some
-    param is a plain tensor), or when every entry is a
-    plain 0-dim tensor (torch.optim's ``state_steps``). Returns ``None`` (leaving ``specs_out``
+    A list passes when every entry is a DTensor with its param's mesh, placements and dtype
+    (``p_specs`` are the params' specs from ``dtensor_specs(params, canonical_key=...)``,
+    ``None`` when some param is a plain tensor), or when every entry is a plain 0-dim float
+    tensor (torch.optim's ``state_steps``). Returns ``None`` (leaving ``specs_out``
     untouched) when any slot needs the careful per-slot treatment. ``slot_key`` names the
     argument (e.g. its schema position); see Note [Aligned-slot cache].
     """

@@ -16,6 +16,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import with_comm
 
 import dtensor_moe
 from dtensor_moe import _compat
+from dtensor_moe.optim import fast_step
 from dtensor_moe.optim.fast_step import FAST_STEP_CLASSES, fast_step_applies
 from tests._dist import DistTestBase
 
@@ -148,6 +149,41 @@ class FastStepDistTest(DistTestBase):
             torch._fused_adamw_ = kernel
         self.assertEqual(seen, [{torch.Tensor}, {DTensor}, {DTensor}])
         self.assertEqual(params[0].grad.placements, (Replicate(),))
+
+    @with_comms
+    def test_local_grouping_matches_torchs_grouping_of_the_locals(self):
+        params = self._params()
+        grads = [p.grad for p in params]
+        states = [torch.zeros_like(p) for p in params]
+        steps = [torch.tensor(float(i)) for i in range(len(params))]
+        lists = [params, grads, states, [], steps]
+        local = [[_compat.local_tensor(t) if isinstance(t, DTensor) else t for t in ts] for ts in lists]
+        grouping = torch.optim.Optimizer._group_tensors_by_device_and_dtype
+        torchs = grouping.__wrapped__
+        fast_step._STATE.local_grouping = True
+        try:
+            for with_indices in (False, True):
+                got = grouping(lists, with_indices=with_indices)
+                want = torchs(local, with_indices)
+                self.assertEqual(list(got), list(want))
+                for key in want:
+                    self.assertEqual(got[key][1], want[key][1])
+                    for got_list, want_list in zip(got[key][0], want[key][0]):
+                        self.assertTrue(all(map(lambda a, b: a is b, got_list, want_list)))
+            # SGD without momentum: an all-None list passes through
+            got = grouping([params, grads, [None] * len(params)])
+            self.assertEqual(next(iter(got.values()))[0][2], [None] * len(params))
+            # A grad of another dtype is not aligned: torch's grouping gets the DTensors, and
+            # the fused kernel's DTensor handler then sees the slot, as without dtensor_moe.
+            for dtype in (torch.bfloat16, torch.float64):
+                bad = [g.to(dtype) if i == 1 else g for i, g in enumerate(grads)]
+                got = grouping([params, bad, states, [], steps])
+                self.assertIs(next(iter(got.values()))[0][1][1], bad[1])
+        finally:
+            fast_step._STATE.local_grouping = False
+        # Outside a fused fast step, torch's grouping is used unchanged (on the DTensors).
+        got = grouping(lists)
+        self.assertIs(next(iter(got.values()))[0][0][0], params[0])
 
     @with_comms
     def test_hooks_closure_and_param_changes(self):

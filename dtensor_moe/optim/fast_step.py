@@ -34,11 +34,14 @@ Inside a fast step where every param group is ``fused``, torch.optim's functiona
 and its SGD/Adagrad twins) hands its per-slot lists (params, grads, states, ``state_steps``) to
 ``Optimizer._group_tensors_by_device_and_dtype`` and calls the fused kernel on what comes back.
 When every list is already aligned with the params (the fast path of Note [Per-slot rule]:
-each DTensor has its param's mesh and placements, ``state_steps`` are plain 0-dim tensors), our
-wrapper of that grouping function returns the *local* tensors instead, bucketed by the same
-function. The kernel then runs on plain tensors directly, exactly as the DTensor handler would
-have run it after unwrapping the same lists, and the grouping and the handler stop paying
-per-DTensor costs. Any list that is not aligned (a slot to redistribute, another mesh, a
+each DTensor has its param's mesh, placements and dtype, ``state_steps`` are plain 0-dim float
+tensors), our wrapper of that grouping function returns the *local* tensors instead. The kernel
+then runs on plain tensors directly, exactly as the DTensor handler would have run it after
+unwrapping the same lists, and neither the grouping nor the handler pays per-DTensor costs.
+The specs also tell whether all params share one device type and dtype (checked once per spec
+tuple); then every slot is on that device with that dtype, which is all torch's grouping would
+establish, so the wrapper returns the one group itself instead of walking every tensor again.
+Otherwise torch's grouping buckets the local tensors. Any list that is not aligned (a slot to redistribute, another mesh, a
 DTensor step counter) makes the wrapper return torch's grouping of the DTensors unchanged, so
 the handler validates, redistributes and writes back, or raises, as always. Outside a fused
 fast step the wrapper calls torch's function unchanged.
@@ -57,7 +60,13 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_moe import _compat
 
-__all__ = ["FAST_STEP_CLASSES", "fast_step_applies", "install_fast_step", "local_lists_if_aligned"]
+__all__ = [
+    "FAST_STEP_CLASSES",
+    "fast_step_applies",
+    "install_fast_step",
+    "local_lists_if_aligned",
+    "single_group_key",
+]
 
 FAST_STEP_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
@@ -137,8 +146,10 @@ def _wrap_step(step):
     return fast_step
 
 
-def local_lists_if_aligned(tensorlistlist: list) -> list | None:
-    """The local tensors of every list, if all are aligned with the params (the first list).
+def local_lists_if_aligned(tensorlistlist: list) -> tuple[tuple, list] | None:
+    """The params' specs and the local tensors of every list, if all lists are aligned with
+    the params (the first list): same mesh, placements and dtype slot by slot, and plain 0-dim
+    float ``state_steps``.
 
     ``None`` when any list needs the careful per-slot treatment of the DTensor handler; see
     Note [Local grouping]. Empty lists and all-``None`` lists (SGD without momentum) pass as
@@ -165,15 +176,45 @@ def local_lists_if_aligned(tensorlistlist: list) -> list | None:
         if local is None:
             return None
         out.append(local)
-    return out
+    return p_specs, out
+
+
+# id(canonical param specs) -> (those specs, their one (device, dtype) group key or None)
+_GROUP_KEYS: dict[int, tuple] = {}
+_GROUP_KEYS_MAX = 64
+
+
+def single_group_key(p_specs: tuple, first_local: torch.Tensor) -> tuple | None:
+    """``(device, dtype)`` when every param lives on one device type with one dtype, else None.
+
+    Read from the params' specs, once per canonical spec tuple (Note [Local grouping]); the
+    device is that of the first param's local tensor, as torch's grouping would report it.
+    """
+    cached = _GROUP_KEYS.get(id(p_specs))
+    if cached is not None and cached[0] is p_specs:
+        return cached[1]
+    dtypes = {None if s.tensor_meta is None else s.tensor_meta.dtype for s in p_specs}
+    device_types = {s.mesh.device_type for s in p_specs}
+    key = None
+    if len(dtypes) == 1 and len(device_types) == 1 and first_local.dtype in dtypes:
+        key = (first_local.device, first_local.dtype)
+    if len(_GROUP_KEYS) >= _GROUP_KEYS_MAX:
+        _GROUP_KEYS.clear()
+    _GROUP_KEYS[id(p_specs)] = (p_specs, key)
+    return key
 
 
 def _make_local_grouping(original):
     def group_tensors_by_device_and_dtype(tensorlistlist, with_indices=False):
         if _STATE.local_grouping and tensorlistlist and tensorlistlist[0]:
-            local = local_lists_if_aligned(tensorlistlist)
-            if local is not None:
-                return original(local, with_indices)
+            aligned = local_lists_if_aligned(tensorlistlist)
+            if aligned is not None:
+                p_specs, local = aligned
+                key = single_group_key(p_specs, local[0][0])
+                if key is None:
+                    return original(local, with_indices)
+                indices = list(range(len(local[0]))) if with_indices else []
+                return {key: (local, indices)}
         return original(tensorlistlist, with_indices)
 
     group_tensors_by_device_and_dtype.__wrapped__ = original

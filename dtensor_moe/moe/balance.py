@@ -17,15 +17,40 @@ carries its own loss. The value is kept, detached, in ``router.last_aux_loss`` f
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtensor_moe.moe.router import TokenChoiceTopKRouter
 
 __all__ = ["AuxLossBackward", "attach_aux_loss", "update_expert_bias"]
+
+_CHECKED: weakref.WeakSet = weakref.WeakSet()  # modules already checked by _warn_if_parallel
+
+
+def _warn_if_parallel(module: nn.Module) -> None:
+    """Warn once per module when a parallelized model updates its bias from local counters."""
+    if module in _CHECKED:
+        return
+    _CHECKED.add(module)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        warnings.warn(
+            f"update_expert_bias({type(module).__name__}, ...) without process_group in a "
+            f"{dist.get_world_size()}-rank run: {type(module).__name__} has DTensor params, so "
+            "its ranks likely route different tokens, and each would update its expert bias "
+            "from its own counters; the biases then drift apart across ranks. Pass "
+            "process_group=dist.group.WORLD (or a group covering every rank that routes "
+            "tokens).",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class AuxLossBackward(torch.autograd.Function):
@@ -81,11 +106,15 @@ def update_expert_bias(
     Keyword Args:
         process_group: if given, the counters of all routers are summed over this group
             first, in one ``all_reduce`` (the only collective), so that data-parallel ranks
-            apply the same update.
+            apply the same update. Without it, a ``module`` with DTensor params in a
+            multi-rank run gets a one-time ``UserWarning``: ranks that route different tokens
+            would update their biases apart.
     """
     if not rate > 0:
         raise ValueError(f"update_expert_bias needs a positive rate, got {rate}")
     routers = _biased_routers(module)
+    if process_group is None:
+        _warn_if_parallel(module)
     counts_ME = torch.stack([r.tokens_per_expert for r in routers]).to(torch.float64)
     if process_group is not None:
         dist.all_reduce(counts_ME, group=process_group)

@@ -208,15 +208,19 @@ def unpermute_and_reduce(
     (alignment padding) reach neither the output nor the gradients. ``order_N``: the inverse
     of ``row_TK.reshape(-1)`` when that is a permutation of the rows of ``out_RD`` (no padding;
     ``ExpertLayout.order_N``), which makes the backward a single gather.
+
+    The result is never a view: FSDP2 warns about a wrapped module (the experts) that returns
+    one, since an in-place op on it would skip FSDP's pre-backward hook. Making the ``bmm``
+    result a fresh tensor costs a copy of ``T x D`` values, under 1% of the combine.
     """
     T, K = row_TK.shape
     out_TKD = _UnpermuteRows.apply(out_RD, row_TK.reshape(-1), order_N)
     out_TKD = out_TKD.view(T, K, out_RD.shape[-1])
     if scores_TK is None:
-        return out_TKD[:, 0] if K == 1 else out_TKD.sum(dim=1)
+        return out_TKD.sum(dim=1)
     if K == 1:
         return out_TKD[:, 0] * scores_TK.to(out_RD.dtype)
-    return torch.bmm(scores_TK.to(out_RD.dtype).unsqueeze(1), out_TKD).squeeze(1)
+    return torch.bmm(scores_TK.to(out_RD.dtype).unsqueeze(1), out_TKD).squeeze(1).clone()
 
 
 class TokenDispatcher:

@@ -21,6 +21,7 @@ from dtensor_moe.moe import (
     grouped_swiglu,
     sort_by_expert,
 )
+from dtensor_moe.moe.dispatch import unpermute_and_reduce
 from dtensor_moe.moe.experts import resolve_compute_path
 
 D, H, E = 16, 32, 4
@@ -224,3 +225,19 @@ def test_float64_and_odd_dims_run_through_auto():
         w1, w3 = torch.randn(E, H, dim, dtype=dtype), torch.randn(E, H, dim, dtype=dtype)
         w2 = torch.randn(E, dim, H, dtype=dtype)
         assert grouped_swiglu(x_RD, w1, w2, w3, [1, 2, 0, 3]).shape == (6, dim)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_combine_result_is_not_a_view(K, weighted):
+    # FSDP2 warns when a wrapped module (the experts) returns a view, because an in-place op on
+    # it would skip the pre-backward hook; the combine therefore returns a fresh tensor.
+    T, width = 5, 4
+    out_RD = torch.randn(T * K, width, requires_grad=True)
+    row_TK = torch.randperm(T * K).view(T, K)
+    scores_TK = torch.rand(T, K) if weighted else None
+    y_TD = unpermute_and_reduce(out_RD, row_TK, scores_TK)
+    assert not y_TD._is_view()
+    want = out_RD[row_TK]
+    want = want.sum(1) if scores_TK is None else (want * scores_TK.unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(y_TD, want)

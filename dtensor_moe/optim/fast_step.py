@@ -163,14 +163,14 @@ def local_lists_if_aligned(tensorlistlist: list) -> tuple[tuple, list] | None:
     for idx in range(1, len(tensorlistlist)):
         values = tensorlistlist[idx]
         if len(values) == 0:
-            out.append(values)
+            out.append([])
             continue
         if len(values) != len(params):
             return None
         if values[0] is None:
             if not all(map(operator.is_, values, itertools.repeat(None))):
                 return None
-            out.append(values)
+            out.append(list(values))  # new lists, as torch's grouping returns
             continue
         local = _compat.locals_if_aligned(p_specs, values, None, slot_key=("local-grouping", idx))
         if local is None:
@@ -189,6 +189,8 @@ def single_group_key(p_specs: tuple, first_local: torch.Tensor) -> tuple | None:
 
     Read from the params' specs, once per canonical spec tuple (Note [Local grouping]); the
     device is that of the first param's local tensor, as torch's grouping would report it.
+    (DTensors of one device type on a rank hold their local tensors on that rank's device;
+    locals made on several devices of one type by hand would need torch's grouping.)
     """
     cached = _GROUP_KEYS.get(id(p_specs))
     if cached is not None and cached[0] is p_specs:

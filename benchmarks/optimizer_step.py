@@ -28,9 +28,13 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import dtensor_moe  # noqa: F401  (registers the fused-optimizer handlers)
-from dtensor_moe._compat import subclass_torch_function_disabled
-from dtensor_moe.optim.fast_step import fast_step_applies
+# --torch-only (for reference) runs the same benchmark without importing dtensor_moe; spawned
+# workers re-import this module, so the choice travels in the environment.
+TORCH_ONLY = os.environ.get("DTENSOR_MOE_BENCH_TORCH_ONLY") == "1"
+if not TORCH_ONLY:
+    import dtensor_moe  # noqa: F401  (registers the fused-optimizer handlers)
+    from dtensor_moe._compat import subclass_torch_function_disabled
+    from dtensor_moe.optim.fast_step import fast_step_applies
 
 WORLD = 4
 CASES = {"200 x 64x64": (200, 64), "8 x 1024x1024": (8, 1024)}
@@ -74,7 +78,7 @@ def _time_init_group(opt) -> float:
     """
     group = opt.param_groups[0]
     lists: list[list] = [[] for _ in range(6)]
-    fast = fast_step_applies(opt)
+    fast = not TORCH_ONLY and fast_step_applies(opt)
     with torch.no_grad(), subclass_torch_function_disabled() if fast else contextlib.nullcontext():
         start = time.thread_time()
         opt._init_group(group, *lists)
@@ -162,7 +166,13 @@ def main() -> None:
         "--concurrency", type=int, action="append",
         help="ranks stepping at once (repeatable); default: one per core, and all 4",
     )
+    parser.add_argument(
+        "--torch-only", action="store_true",
+        help="reference: run without importing dtensor_moe (torch 2.13's own DTensor rules)",
+    )
     args = parser.parse_args()
+    if args.torch_only:
+        os.environ["DTENSOR_MOE_BENCH_TORCH_ONLY"] = "1"
     cores = len(os.sched_getaffinity(0))
     modes = args.concurrency or sorted({min(WORLD, cores), WORLD})
     if any(not 1 <= c <= WORLD or WORLD % c for c in modes):
@@ -172,7 +182,7 @@ def main() -> None:
         port = s.getsockname()[1]
     print(
         f"fused AdamW step, {WORLD} gloo processes x 1 thread, {cores} cores, "
-        f"torch {torch.__version__}"
+        f"torch {torch.__version__}" + (", WITHOUT dtensor_moe" if args.torch_only else "")
     )
     mp.spawn(_worker, args=(port, args.steps, args.repeats, modes), nprocs=WORLD)
 

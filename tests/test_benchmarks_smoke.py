@@ -1,0 +1,40 @@
+"""The benchmark scripts run on a clean checkout (tiny sizes; no timing is checked here).
+
+``docs/benchmarks.md`` quotes their figures; this keeps the commands there working.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_optimizer_step_benchmark_prints_every_case_and_mode():
+    out = _run("benchmarks/optimizer_step.py", "--steps", "2", "--repeats", "1")
+    lines = [line for line in out.splitlines() if "ranks stepping at once" in line]
+    cases = {line.split(",")[0].strip() for line in lines}
+    assert cases == {"200 x 64x64", "8 x 1024x1024"}, out
+    assert all("| ratio " in line and "first step DTensor" in line for line in lines), out
+
+
+@pytest.mark.parametrize("layout", ["single", "ep2tp2"])
+def test_moe_layer_benchmark_runs(layout):
+    out = _run(
+        "benchmarks/moe_layer.py", "--layout", layout, "--tokens", "64", "--dim", "32",
+        "--hidden", "64", "--warmup", "1", "--repeats", "2",
+    )
+    assert f"layout={layout}" in out, out
+    assert "step / floor (median of per-repeat ratios):" in out, out

@@ -20,7 +20,8 @@ the wrapped step runs under ``DisableTorchFunctionSubclass``, which skips exactl
 torch function *modes* still run, and DTensor's ``__torch_dispatch__`` (where DTensor's work
 happens) is unaffected, so results are bit-for-bit those of the unwrapped step; a test checks
 this and counts collectives. Any other step (plain tensors only, other subclasses, a closure)
-calls torch's ``step`` unchanged.
+calls torch's ``step`` unchanged. Whether the params qualify is decided again only when a
+group's param list changes (:func:`fast_step_applies`).
 
 The wrapper sits inside torch's own profiling wrapper (which runs the step hooks) when
 ``dtensor_moe`` is imported before the first optimizer of a class is created, as usual. If an
@@ -41,10 +42,10 @@ unwrapping the same lists, and neither the grouping nor the handler pays per-DTe
 The specs also tell whether all params share one device type and dtype (checked once per spec
 tuple); then every slot is on that device with that dtype, which is all torch's grouping would
 establish, so the wrapper returns the one group itself instead of walking every tensor again.
-Otherwise torch's grouping buckets the local tensors. Any list that is not aligned (a slot to redistribute, another mesh, a
-DTensor step counter) makes the wrapper return torch's grouping of the DTensors unchanged, so
-the handler validates, redistributes and writes back, or raises, as always. Outside a fused
-fast step the wrapper calls torch's function unchanged.
+Otherwise torch's grouping buckets the local tensors. Any list that is not aligned (a slot to
+redistribute, another mesh or dtype, a DTensor step counter) makes the wrapper return torch's
+grouping of the DTensors unchanged, so the handler validates, redistributes and writes back, or
+raises, as always. Outside a fused fast step the wrapper calls torch's function unchanged.
 """
 
 from __future__ import annotations

@@ -337,3 +337,30 @@ def _mismatched_routing(cfg, meshes, routing):
 
 if __name__ == "__main__":
     run_tests()
+
+
+class PlanDictTest(DistTestBase):
+    @with_comms
+    def test_parallelize_module_with_a_plan_dict(self):
+        """``parallelize_module(moe, mesh, {"experts": ExpertParallel()})``, as in the docs,
+        gives exactly what ``parallelize_moe`` gives for EP over the data ranks."""
+        case = Case(B=2, L=7, top_k=2, shared=1)
+        reference, meshes, _ = _build("ep4", case)
+        torch.manual_seed(0)
+        model = MoE(make_config(case))
+        parallelize_module(model, meshes.expert["ep"], {"experts": ExpertParallel()})
+        self.assertIsInstance(model.experts.w1, DTensor)
+        self.assertEqual(model.experts.w1.placements, (Shard(0),))
+        x = torch.randn(case.B, case.L, D, generator=torch.Generator().manual_seed(self.rank))
+        outputs = []
+        for m in (reference, model):
+            x_m = x.clone().requires_grad_()
+            y = m(x_m)
+            _local_loss(y).backward()
+            outputs.append((y.detach(), x_m.grad, {n: p.grad for n, p in m.named_parameters()}))
+        (y_ref, gx_ref, grads_ref), (y_got, gx_got, grads_got) = outputs
+        self.assertEqual(y_got, y_ref, atol=0, rtol=0)
+        self.assertEqual(gx_got, gx_ref, atol=0, rtol=0)
+        self.assertEqual(grads_got.keys(), grads_ref.keys())
+        for name, grad in grads_got.items():
+            self.assertEqual(full(grad), full(grads_ref[name]), atol=0, rtol=0, msg=name)

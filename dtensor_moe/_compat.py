@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = [
+    "PLAIN_TENSOR_TYPES",
     "DTensorSpec",
     "clear_sharding_prop_cache",
     "custom_op_handlers",
@@ -172,7 +173,8 @@ def _remember(key: tuple, entry: tuple) -> None:
     _ALIGNED[key] = entry
 
 
-_PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+# Tensor types that are neither DTensor nor another subclass with its own behaviour.
+PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _STEP_DTYPES = frozenset({torch.float32, torch.float64})
 
 
@@ -184,7 +186,7 @@ def _plain_scalars_ok(key: tuple, values: list) -> bool:
     if cached is not None and _same_objects(cached[0], vals):
         return True
     if (
-        not set(map(type, vals)) <= _PLAIN_TENSOR_TYPES
+        not set(map(type, vals)) <= PLAIN_TENSOR_TYPES
         or any(map(torch.Tensor.dim, vals))
         or not {t.dtype for t in vals} <= _STEP_DTYPES
     ):

@@ -75,8 +75,7 @@ FAST_STEP_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adagrad,
 )
-_ALLOWED_PARAM_TYPES = frozenset({DTensor, torch.Tensor, torch.nn.Parameter})
-_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_ALLOWED_PARAM_TYPES = _compat.PLAIN_TENSOR_TYPES | {DTensor}
 _MARK = "_dtensor_moe_fast_step"
 # optimizer -> (the params of each group when last checked, the verdict); see fast_step_applies.
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -118,7 +117,7 @@ def _check_params(groups: list) -> bool:
         if DTensor in types:
             any_dtensor = True
             dtensors = params if len(types) == 1 else [p for p in params if type(p) is DTensor]
-            if not set(map(type, _compat.local_tensors(dtensors))) <= _PLAIN_TYPES:
+            if not set(map(type, _compat.local_tensors(dtensors))) <= _compat.PLAIN_TENSOR_TYPES:
                 return False
     return any_dtensor
 

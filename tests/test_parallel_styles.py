@@ -87,15 +87,15 @@ class ParallelStylesTest(DistTestBase):
         self.assertExpectedInline(
             "\n".join(lines),
             """\
-ep2: forward all_to_all_single=3 | backward all_to_all_single=2
-ep4: forward all_to_all_single=3 | backward all_to_all_single=2
-etp2: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2
+ep2: forward alltoall_base_=3 | backward alltoall_base_=2
+ep4: forward alltoall_base_=3 | backward alltoall_base_=2
+etp2: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2
 etp2_gather: forward all_reduce=1 | backward all_reduce=1
-ep2tp2: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2
-ep2tp2_gather: forward all_gather_into_tensor=1 all_to_all_single=3 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 all_to_all_single=2 reduce_scatter_tensor=1
-sp2ep2: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2
-tp2ep2: forward all_gather_into_tensor=1 all_reduce=1 all_to_all_single=3 | backward all_gather_into_tensor=1 all_to_all_single=2
-sp2ep4: forward all_reduce=1 all_to_all_single=3 | backward all_to_all_single=2""",
+ep2tp2: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2
+ep2tp2_gather: forward all_gather_into_tensor=1 alltoall_base_=3 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 alltoall_base_=2 reduce_scatter_tensor=1
+sp2ep2: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2
+tp2ep2: forward all_gather_into_tensor=1 all_reduce=1 alltoall_base_=3 | backward all_gather_into_tensor=1 alltoall_base_=2
+sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
         )
 
     @with_comms

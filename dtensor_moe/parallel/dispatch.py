@@ -81,6 +81,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
@@ -93,7 +94,7 @@ from dtensor_moe.moe.dispatch import (
     sort_by_expert,
     unpermute_and_reduce,
 )
-from dtensor_moe.moe.experts import grouped_swiglu, resolve_compute_path
+from dtensor_moe.moe.experts import _grouped_mm_supported
 
 __all__ = ["AllToAllMetadata", "AllToAllTokenDispatcher"]
 
@@ -134,53 +135,6 @@ def replicate_over_etp(
     return ids_TKR.flatten(1), counts_X
 
 
-def _split_counts(counts: list[int], rows: int) -> tuple[list[int], list[int]]:
-    """Per-expert counts of the first ``rows`` rows of a group-sorted block, and of the rest."""
-    first = []
-    for c in counts:
-        first.append(min(c, rows))
-        rows -= first[-1]
-    return first, [c - f for c, f in zip(counts, first)]
-
-
-class _Exchange(torch.autograd.Function):
-    """The rows of an all-to-all launched earlier; backward launches the reverse one.
-
-    ``forward(sent, pending, recv_splits, send_splits, mesh)`` waits for ``pending`` (the
-    all-to-all of ``sent`` already in flight) and returns the received rows. ``backward`` starts
-    the reverse all-to-all and returns its result *without waiting*, so that autograd runs other
-    ready work before the gradient is used. See Note [Overlapped all-to-all].
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        sent: torch.Tensor,
-        pending: torch.Tensor,
-        recv_splits: list[int],
-        send_splits: list[int],
-        mesh: DeviceMesh,
-    ) -> torch.Tensor:
-        ctx.recv_splits, ctx.send_splits, ctx.mesh = recv_splits, send_splits, mesh
-        return funcol.wait_tensor(pending)
-
-    @staticmethod
-    def backward(ctx: Any, grad_MD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_ND = funcol.all_to_all_single(
-            grad_MD.contiguous(), ctx.send_splits, ctx.recv_splits, ctx.mesh
-        )
-        return grad_ND, None, None, None, None
-
-
-@dataclass(frozen=True, slots=True)
-class _Splits:
-    """Row counts of one exchange: ``recv`` from and ``send`` to each rank of ``mesh``."""
-
-    recv: list[int]
-    send: list[int]
-    mesh: DeviceMesh
-
-
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(a, b, offs=offs)
 
@@ -207,8 +161,8 @@ def _swiglu_input_grad(
     w1_eHD, w2_eDH, w3_eHD = weights
     grad_h_RH = _gmm(grad_RD, w2_eDH, offs)
     grad_gate_RH = torch.ops.aten.silu_backward(grad_h_RH * up_RH, gate_RH)
-    grad_up_RH = grad_h_RH * torch.nn.functional.silu(gate_RH)
-    grad_x_RD = _gmm(grad_gate_RH, w1_eHD, offs) + _gmm(grad_up_RH, w3_eHD, offs)
+    grad_up_RH = grad_h_RH.mul_(torch.nn.functional.silu(gate_RH))
+    grad_x_RD = _gmm(grad_gate_RH, w1_eHD, offs).add_(_gmm(grad_up_RH, w3_eHD, offs))
     return grad_x_RD, grad_gate_RH, grad_up_RH
 
 
@@ -227,41 +181,6 @@ def _swiglu_weight_grads(
     return grad_w1, grad_w2, grad_w3
 
 
-class _LocalExperts(torch.autograd.Function):
-    """SwiGLU experts on rows that stay on this rank (``grouped_mm`` path), one autograd node.
-
-    ``forward(x_RD, w1, w2, w3, offs)``: the math of ``grouped_swiglu`` with the same
-    ``grouped_mm`` calls, but one node instead of about ten (three grouped matmuls, their
-    contiguous-gradient guards, ``silu`` and two products), so the backward runs with less
-    autograd and Python work per chunk. Backward: :func:`_swiglu_input_grad` and
-    :func:`_swiglu_weight_grads`; the incoming gradient is made contiguous first (Note
-    [grouped_mm expanded grad] in ``dtensor_moe/moe/experts.py``).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x_RD: torch.Tensor,
-        w1_eHD: torch.Tensor,
-        w2_eDH: torch.Tensor,
-        w3_eHD: torch.Tensor,
-        offs: torch.Tensor,
-    ) -> torch.Tensor:
-        out_RD, saved = _swiglu_forward(x_RD, w1_eHD, w2_eDH, w3_eHD, offs)
-        ctx.save_for_backward(*saved, w1_eHD, w2_eDH, w3_eHD)
-        ctx.offs = offs
-        return out_RD
-
-    @staticmethod
-    def backward(ctx: Any, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        *saved, w1_eHD, w2_eDH, w3_eHD = ctx.saved_tensors
-        grad_RD = grad_RD.contiguous()
-        weights = (w1_eHD, w2_eDH, w3_eHD)
-        grad_x_RD, grad_gate_RH, grad_up_RH = _swiglu_input_grad(grad_RD, saved, weights, ctx.offs)
-        grad_ws = _swiglu_weight_grads(grad_RD, saved, grad_gate_RH, grad_up_RH, ctx.offs)
-        return grad_x_RD, *grad_ws, None
-
-
 def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
     """``grouped_mm`` group ends (int32) of host counts."""
     ends, total = [], 0
@@ -271,58 +190,157 @@ def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(ends, dtype=torch.int32, device=device)
 
 
-def _own_experts(x_RD: torch.Tensor, weights: tuple, counts: list[int], path: str) -> torch.Tensor:
-    """Experts on this rank's own rows: :class:`_LocalExperts` on the ``grouped_mm`` path."""
-    if resolve_compute_path(path, x_RD, weights[0], counts) != "grouped_mm":
-        return grouped_swiglu(x_RD, *weights, counts, path)
-    return _LocalExperts.apply(x_RD, *weights, _offsets(counts, x_RD.device))
+def _block_sums(counts: list[int], e: int) -> list[int]:
+    """Sums of consecutive blocks of ``e`` host counts: rows per rank of ``P * e`` counts."""
+    return [sum(counts[i : i + e]) for i in range(0, len(counts), e)]
 
 
-class _RemoteExperts(torch.autograd.Function):
-    """Token exchange + SwiGLU experts on the received rows (``grouped_mm`` path).
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """Where the rows of one forward go: fixed by the routing, kept for the backward.
 
-    ``forward(sent_ND, pending, w1, w2, w3, splits, token_R, row_M, counts_e)`` waits for the
-    token exchange (``pending``), sorts the received rows by local expert (``token_R``), runs
-    the experts and returns their outputs in the received order (``row_M``). ``backward``
-    computes the input gradient first, launches the reverse exchange *without waiting*, and only
-    then the three weight gradients, so that the exchange, and the other ranks' lateness,
-    overlaps them (Note [Overlapped all-to-all]). The math is the SwiGLU backward that autograd
-    would run, with the same ``grouped_mm`` calls.
+    ``send``/``recv``: rows to and from each rank (0 for this rank: its own rows stay).
+    ``offs_own``/``offs_recv``: ``grouped_mm`` group ends of the own and the received rows.
+    """
+
+    group: Any
+    send: list[int]
+    recv: list[int]
+    n_send: int
+    n_recv: int
+    offs_own: torch.Tensor
+    offs_recv: torch.Tensor
+
+
+class _ExpertParallelStep(torch.autograd.Function):
+    """Dispatch, experts and combine of one expert-parallel forward as one autograd node.
+
+    ``forward(x_TD, scores_TX, w1, w2, w3, ids_TX, counts_X, group, key_G, e)`` returns
+    ``y_TD``; ``backward`` returns the gradients of ``x_TD``, ``scores_TX`` and the three local
+    weights. See Note [Overlapped all-to-all] for the order of the steps; the math is that of
+    ``permute_tokens`` -> ``grouped_swiglu`` -> ``unpermute_and_reduce`` with the exchanges of
+    Note [All-to-all dispatch] in between, with the same ``grouped_mm`` calls.
     """
 
     @staticmethod
     def forward(
         ctx: Any,
-        sent_ND: torch.Tensor,
-        pending: torch.Tensor,
+        x_TD: torch.Tensor,
+        scores_TX: torch.Tensor,
         w1_eHD: torch.Tensor,
         w2_eDH: torch.Tensor,
         w3_eHD: torch.Tensor,
-        splits: _Splits,
-        token_R: torch.Tensor,
-        row_M: torch.Tensor,
-        counts_e: torch.Tensor,
+        ids_TX: torch.Tensor,
+        counts_X: torch.Tensor,
+        group: Any,
+        key_G: torch.Tensor,
+        e: int,
     ) -> torch.Tensor:
-        routed_RD = funcol.wait_tensor(pending).index_select(0, token_R)
-        offs = torch.cumsum(counts_e, 0, dtype=torch.int32)
-        out_RD, saved = _swiglu_forward(routed_RD, w1_eHD, w2_eDH, w3_eHD, offs)
-        ctx.save_for_backward(*saved, w1_eHD, w2_eDH, w3_eHD)
-        ctx.splits, ctx.token_R, ctx.row_M, ctx.offs = splits, token_R, row_M, offs
-        return out_RD.index_select(0, row_M)
+        T, X = ids_TX.shape
+        D, N, dev = x_TD.shape[-1], ids_TX.numel(), x_TD.device
+        counts_in = torch.empty_like(counts_X)
+        counts_work = dist.all_to_all_single(counts_in, counts_X, group=group, async_op=True)
+        # Sort by destination rank (this rank's own block last), then local expert, then token.
+        order_N = torch.argsort(key_G[ids_TX.reshape(-1)], stable=True)
+        token_N = torch.div(order_N, X, rounding_mode="floor")
+        row_N = torch.empty_like(order_N).index_put_((order_N,), torch.arange(N, device=dev))
+        sent_ND = x_TD.index_select(0, token_N)
+        counts_work.wait()
+        sent, received = torch.stack((counts_X, counts_in)).tolist()
+        P, me = len(sent) // e, dist.get_rank(group)
+        send, recv = _block_sums(sent, e), _block_sums(received, e)
+        own_e = sent[me * e : (me + 1) * e]
+        send[me] = recv[me] = 0
+        n_send, n_recv = sum(send), sum(recv)
+        recv_MD = x_TD.new_empty(n_recv, D)
+        token_work = dist.all_to_all_single(
+            recv_MD, sent_ND[:n_send], recv, send, group=group, async_op=True
+        )
+        # While the rows travel: the expert order of the received rows, then the own rows.
+        received_Pe = counts_in.view(P, e).clone()
+        received_Pe[me] = 0
+        local_ids_M = torch.arange(e, device=dev).repeat(P).repeat_interleave(received_Pe.view(-1))
+        token_M = torch.argsort(local_ids_M, stable=True)
+        row_M = torch.empty_like(token_M).index_put_((token_M,), torch.arange(n_recv, device=dev))
+        recv_e = [
+            sum(received[q * e + j] for q in range(P)) - received[me * e + j] for j in range(e)
+        ]
+        route = _Route(
+            group, send, recv, n_send, n_recv, _offsets(own_e, dev), _offsets(recv_e, dev)
+        )
+        weights = (w1_eHD, w2_eDH, w3_eHD)
+        own_out, own_saved = _swiglu_forward(sent_ND[n_send:], *weights, route.offs_own)
+        token_work.wait()
+        routed_RD = recv_MD.index_select(0, token_M)
+        del recv_MD
+        recv_out, recv_saved = _swiglu_forward(routed_RD, *weights, route.offs_recv)
+        out_ND = x_TD.new_empty(N, D)
+        out_work = dist.all_to_all_single(
+            out_ND[:n_send], recv_out.index_select(0, row_M), send, recv, group=group, async_op=True
+        )
+        out_ND[n_send:].copy_(own_out)
+        out_work.wait()
+        out_TXD = out_ND.index_select(0, row_N).view(T, X, D)
+        y_TD = x_TD.new_empty(T, D)
+        torch.bmm(scores_TX.to(x_TD.dtype).unsqueeze(1), out_TXD, out=y_TD.view(T, 1, D))
+        ctx.route = route
+        ctx.save_for_backward(
+            *own_saved, *recv_saved, *weights, out_TXD, scores_TX, order_N, token_N, row_N,
+            token_M, row_M,
+        )  # fmt: skip
+        return y_TD
 
     @staticmethod
-    def backward(ctx: Any, grad_MD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        *saved, w1_eHD, w2_eDH, w3_eHD = ctx.saved_tensors
-        offs, splits = ctx.offs, ctx.splits
-        grad_RD = grad_MD.index_select(0, ctx.token_R)
-        grad_x_RD, grad_gate_RH, grad_up_RH = _swiglu_input_grad(
-            grad_RD, saved, (w1_eHD, w2_eDH, w3_eHD), offs
+    def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        own_saved, recv_saved, weights = saved[0:4], saved[4:8], saved[8:11]
+        out_TXD, scores_TX, order_N, token_N, row_N, token_M, row_M = saved[11:]
+        route = ctx.route
+        T, X, D = out_TXD.shape
+        grad_TD = grad_TD.contiguous()
+        grad_scores_TX = None
+        if ctx.needs_input_grad[1]:
+            grad_scores_TX = torch.bmm(out_TXD, grad_TD.unsqueeze(-1)).view(T, X)
+        # Gradient of each sorted row: its token's gradient times its score.
+        scores_N = scores_TX.to(grad_TD.dtype).reshape(-1).index_select(0, order_N)
+        grad_ND = grad_TD.index_select(0, token_N).mul_(scores_N.unsqueeze(-1))
+        grad_recv_MD = grad_TD.new_empty(route.n_recv, D)
+        work = dist.all_to_all_single(
+            grad_recv_MD,
+            grad_ND[: route.n_send],
+            route.recv,
+            route.send,
+            group=route.group,
+            async_op=True,
         )
-        grad_sent = funcol.all_to_all_single(
-            grad_x_RD.index_select(0, ctx.row_M), splits.send, splits.recv, splits.mesh
+        grad_own = grad_ND[route.n_send :]
+        grad_x_own, grad_gate, grad_up = _swiglu_input_grad(
+            grad_own, own_saved, weights, route.offs_own
         )
-        grad_ws = _swiglu_weight_grads(grad_RD, saved, grad_gate_RH, grad_up_RH, offs)
-        return grad_sent, None, *grad_ws, None, None, None, None
+        grad_ws = _swiglu_weight_grads(grad_own, own_saved, grad_gate, grad_up, route.offs_own)
+        work.wait()
+        grad_RD = grad_recv_MD.index_select(0, token_M)
+        del grad_recv_MD
+        grad_x_RD, grad_gate, grad_up = _swiglu_input_grad(
+            grad_RD, recv_saved, weights, route.offs_recv
+        )
+        grad_sent_ND = grad_TD.new_empty(T * X, D)
+        work = dist.all_to_all_single(
+            grad_sent_ND[: route.n_send],
+            grad_x_RD.index_select(0, row_M),
+            route.send,
+            route.recv,
+            group=route.group,
+            async_op=True,
+        )
+        for acc, g in zip(
+            grad_ws, _swiglu_weight_grads(grad_RD, recv_saved, grad_gate, grad_up, route.offs_recv)
+        ):
+            acc.add_(g)
+        grad_sent_ND[route.n_send :].copy_(grad_x_own)
+        work.wait()
+        grad_x_TD = grad_sent_ND.index_select(0, row_N).view(T, X, D).sum(1)
+        return grad_x_TD, grad_scores_TX, *grad_ws, None, None, None, None, None
 
 
 class AllToAllTokenDispatcher(TokenDispatcher):
@@ -375,6 +393,14 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         self.mesh = mesh
         self.replicas = replicas
         self.partial_mesh = partial_mesh
+        # Sort key of each destination id ``q * e + j``: rank ``q``'s position in the send
+        # order (this rank last, Note [Overlapped all-to-all]), then ``j``.
+        self._send_key: tuple[int, ...] = ()
+        if mesh is not None:
+            me, e = mesh.get_local_rank(), num_experts // self.ep_size
+            position = [*range(me), *range(me + 1, size), me]
+            rank_position = [position.index(q) for q in range(size)]
+            self._send_key = tuple(rank_position[g // e] * e + g % e for g in range(size * e))
 
     @property
     def ep_size(self) -> int:
@@ -439,49 +465,25 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         """Dispatch, expert math and combine, with both exchanges overlapped with local rows.
 
         See Note [Overlapped all-to-all]. Falls back to ``dispatch`` / ``compute`` /
-        ``combine`` without a mesh or with ``pad_multiple > 1``.
+        ``combine`` without a mesh, with ``pad_multiple > 1``, with ``score_before_experts``,
+        and when the experts do not run on the ``grouped_mm`` path.
         """
-        if self.mesh is None or self.pad_multiple != 1:
+        weights = experts.local_weights()
+        if (
+            self.mesh is None
+            or self.pad_multiple != 1
+            or self.score_before_experts
+            or experts.compute_path not in ("auto", "grouped_mm")
+            or not _grouped_mm_supported(x_TD, weights[0])
+        ):
             return super().run_experts(experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
-        P, e, me = self.mesh.size(), self.num_experts // self.ep_size, self.mesh.get_local_rank()
         ids_TX, scores_TX, counts_X = self._destinations(topk_scores_TK, topk_ids_TK, counts_E)
-        counts_in = funcol.all_to_all_single(counts_X, None, None, self.mesh)
-        # Sort by destination with this rank's own rows last: the rows to send are a prefix.
-        position_P = torch.tensor([*range(me), *range(me + 1, P), me], device=counts_X.device)
-        rank_at_P = torch.empty_like(position_P).index_put_((position_P,), torch.arange(P))
-        counts_Pe = counts_X.view(P, e)
-        ids_TX = rank_at_P[torch.div(ids_TX, e, rounding_mode="floor")] * e + ids_TX.remainder(e)
-        layout = sort_by_expert(ids_TX, counts_Pe[position_P].reshape(-1))
-        sent_ND = permute_tokens(x_TD, layout)
-        if self.score_before_experts:
-            sent_ND = sent_ND * scores_in_rows(scores_TX, layout).unsqueeze(-1)
-            scores_TX = None
-        own_e = counts_Pe[me].tolist()
-        send = counts_Pe.sum(1).tolist()
-        send[me] = 0
-        remote_ND, own_ND = sent_ND.split([sum(send), sum(own_e)])
-        received_Pe = funcol.wait_tensor(counts_in).view(P, e).clone()
-        received_Pe[me] = 0
-        recv = received_Pe.sum(1).tolist()
-        pending = funcol.all_to_all_single(remote_ND.detach(), recv, send, self.mesh)
-        weights, path = experts.local_weights(), experts.compute_path
-        own1_e, own2_e = _split_counts(own_e, sum(own_e) // 2)
-        own1_ND, own2_ND = own_ND.split([sum(own1_e), sum(own2_e)])
-        out1_ND = _own_experts(own1_ND, weights, own1_e, path)
-        remote_out_MD = self._remote_experts(
-            remote_ND,
-            pending,
-            _Splits(recv=recv, send=send, mesh=self.mesh),
-            received_Pe,
-            weights,
-            path,
+        key_G = torch.tensor(self._send_key, device=ids_TX.device)
+        e = self.num_experts // self.ep_size
+        y_TD = _ExpertParallelStep.apply(
+            x_TD, scores_TX, *weights, ids_TX, counts_X, self.mesh.get_group(), key_G, e
         )
-        pending = funcol.all_to_all_single(remote_out_MD.detach(), send, recv, self.mesh)
-        out2_ND = _own_experts(own2_ND, weights, own2_e, path)
-        returned_ND = _Exchange.apply(remote_out_MD, pending, send, recv, self.mesh)
-        out_ND = torch.cat([returned_ND, out1_ND, out2_ND])
-        y_TD = unpermute_and_reduce(out_ND, layout.row_TK, scores_TX, order_N=layout.order_N)
         return self._finish(y_TD)
 
     def _destinations(
@@ -495,42 +497,6 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             topk_ids_TK, counts_E, experts_per_rank=e, replicas=self.replicas
         )
         return ids_TX, topk_scores_TK.repeat_interleave(self.replicas, dim=1), counts_X
-
-    @staticmethod
-    def _remote_experts(
-        remote_ND: torch.Tensor,
-        pending: torch.Tensor,
-        splits: _Splits,
-        received_Pe: torch.Tensor,
-        weights: tuple,
-        path: str,
-    ) -> torch.Tensor:
-        """Expert math on the rows received from other ranks, in the received order.
-
-        On the ``grouped_mm`` path, :class:`_RemoteExperts` fuses it with the token exchange so
-        that the backward launches the reverse exchange before the weight gradients.
-        """
-        P, e = received_Pe.shape
-        local_ids_M = torch.repeat_interleave(
-            torch.arange(e, device=received_Pe.device).repeat(P), received_Pe.reshape(-1)
-        )
-        local = sort_by_expert(local_ids_M.unsqueeze(1), received_Pe.sum(0))
-        rows = int(received_Pe.sum())
-        probe = remote_ND.new_empty(rows, remote_ND.shape[-1])
-        counts = local.counts_e.tolist()
-        if resolve_compute_path(path, probe, weights[0], counts) == "grouped_mm":
-            return _RemoteExperts.apply(
-                remote_ND,
-                pending,
-                *weights,
-                splits,
-                local.token_N,
-                local.row_TK[:, 0],
-                local.counts_e,
-            )
-        received_MD = _Exchange.apply(remote_ND, pending, splits.recv, splits.send, splits.mesh)
-        out_RD = grouped_swiglu(permute_tokens(received_MD, local), *weights, counts, path)
-        return unpermute_and_reduce(out_RD, local.row_TK, None, order_N=local.order_N)
 
     def _finish(self, y_TD: torch.Tensor) -> torch.Tensor:
         if self.partial_mesh is None:

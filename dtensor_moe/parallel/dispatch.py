@@ -280,13 +280,16 @@ class _ExpertParallelStep(torch.autograd.Function):
         )
         out_ND[n_send:].copy_(own_out)
         out_work.wait()
-        out_TXD = out_ND.index_select(0, row_N).view(T, X, D)
-        y_TD = x_TD.new_empty(T, D)
-        torch.bmm(scores_TX.to(x_TD.dtype).unsqueeze(1), out_TXD, out=y_TD.view(T, 1, D))
+        # Combine: y[t] = sum_x s[t, x] * out[row(t, x)], in x order (T x D temporaries only).
+        row_XT = row_N.view(T, X).t().contiguous()
+        s_TX = scores_TX.to(x_TD.dtype)
+        y_TD = out_ND.index_select(0, row_XT[0]).mul_(s_TX[:, :1])
+        for x in range(1, X):
+            y_TD.addcmul_(out_ND.index_select(0, row_XT[x]), s_TX[:, x : x + 1])
         ctx.route = route
         ctx.save_for_backward(
-            *own_saved, *recv_saved, *weights, out_TXD, scores_TX, order_N, token_N, row_N,
-            token_M, row_M,
+            *own_saved, *recv_saved, *weights, out_ND, scores_TX, order_N, token_N, row_N,
+            row_XT, token_M, row_M,
         )  # fmt: skip
         return y_TD
 
@@ -294,16 +297,18 @@ class _ExpertParallelStep(torch.autograd.Function):
     def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = ctx.saved_tensors
         own_saved, recv_saved, weights = saved[0:4], saved[4:8], saved[8:11]
-        out_TXD, scores_TX, order_N, token_N, row_N, token_M, row_M = saved[11:]
+        out_ND, scores_TX, order_N, token_N, row_N, row_XT, token_M, row_M = saved[11:]
         route = ctx.route
-        T, X, D = out_TXD.shape
-        grad_TD = grad_TD.contiguous()
+        (X, T), D = row_XT.shape, out_ND.shape[-1]
+        # Each sorted row's token gradient: the score's gradient is its dot product with the
+        # row's output, and the row's gradient is it times the score.
+        grad_ND = grad_TD.index_select(0, token_N)
         grad_scores_TX = None
         if ctx.needs_input_grad[1]:
-            grad_scores_TX = torch.bmm(out_TXD, grad_TD.unsqueeze(-1)).view(T, X)
-        # Gradient of each sorted row: its token's gradient times its score.
+            dots_N = torch.linalg.vecdot(grad_ND, out_ND)
+            grad_scores_TX = dots_N.index_select(0, row_N).view(T, X).to(scores_TX.dtype)
         scores_N = scores_TX.to(grad_TD.dtype).reshape(-1).index_select(0, order_N)
-        grad_ND = grad_TD.index_select(0, token_N).mul_(scores_N.unsqueeze(-1))
+        grad_ND.mul_(scores_N.unsqueeze(-1))
         grad_recv_MD = grad_TD.new_empty(route.n_recv, D)
         work = dist.all_to_all_single(
             grad_recv_MD,
@@ -339,7 +344,9 @@ class _ExpertParallelStep(torch.autograd.Function):
             acc.add_(g)
         grad_sent_ND[route.n_send :].copy_(grad_x_own)
         work.wait()
-        grad_x_TD = grad_sent_ND.index_select(0, row_N).view(T, X, D).sum(1)
+        grad_x_TD = grad_sent_ND.index_select(0, row_XT[0])
+        for x in range(1, X):
+            grad_x_TD.add_(grad_sent_ND.index_select(0, row_XT[x]))
         return grad_x_TD, grad_scores_TX, *grad_ws, None, None, None, None, None
 
 

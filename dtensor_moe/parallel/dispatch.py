@@ -272,11 +272,12 @@ class _ExpertParallelStep(torch.autograd.Function):
         own_out, own_saved = _swiglu_forward(sent_ND[n_send:], *weights, route.offs_own)
         token_work.wait()
         routed_RD = recv_MD.index_select(0, token_M)
-        del recv_MD
         recv_out, recv_saved = _swiglu_forward(routed_RD, *weights, route.offs_recv)
+        # Scratch buffers are reused once dead: fresh large buffers cost page faults on CPU.
+        back_MD = torch.index_select(recv_out, 0, row_M, out=recv_MD)
         out_ND = x_TD.new_empty(N, D)
         out_work = dist.all_to_all_single(
-            out_ND[:n_send], recv_out.index_select(0, row_M), send, recv, group=group, async_op=True
+            out_ND[:n_send], back_MD, send, recv, group=group, async_op=True
         )
         out_ND[n_send:].copy_(own_out)
         out_work.wait()
@@ -325,14 +326,13 @@ class _ExpertParallelStep(torch.autograd.Function):
         grad_ws = _swiglu_weight_grads(grad_own, own_saved, grad_gate, grad_up, route.offs_own)
         work.wait()
         grad_RD = grad_recv_MD.index_select(0, token_M)
-        del grad_recv_MD
         grad_x_RD, grad_gate, grad_up = _swiglu_input_grad(
             grad_RD, recv_saved, weights, route.offs_recv
         )
-        grad_sent_ND = grad_TD.new_empty(T * X, D)
+        grad_sent_ND = grad_ND  # dead since the wait: reused, as in the forward
         work = dist.all_to_all_single(
             grad_sent_ND[: route.n_send],
-            grad_x_RD.index_select(0, row_M),
+            torch.index_select(grad_x_RD, 0, row_M, out=grad_recv_MD),
             route.send,
             route.recv,
             group=route.group,

@@ -45,6 +45,7 @@ Router statistics are global (see Note [Global router statistics]).
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -67,6 +68,9 @@ from dtensor_moe.moe.router import (
 from dtensor_moe.parallel.padding import TokenShardMeta
 
 __all__ = ["Routing", "TokenParallelForward", "region_grad_placements"]
+
+# Dispatchers already checked against a TokenParallelForward (see ``check_experts``).
+_CHECKED: weakref.WeakKeyDictionary[object, TokenParallelForward] = weakref.WeakKeyDictionary()
 
 Routing: TypeAlias = Literal["split", "replicate"]
 ROUTINGS: tuple[Routing, ...] = ("split", "replicate")
@@ -176,8 +180,18 @@ class TokenParallelForward:
     # -- validation -------------------------------------------------------------------------
 
     def check_experts(self, moe: MoE) -> None:
-        """The experts' parallelism must match the routing (attribute checks, no collective)."""
+        """The experts' parallelism must match the routing (attribute checks, no collective).
+
+        The verdict is remembered per dispatcher (whose configuration never changes), so the
+        rank lists are read once, not at every forward.
+        """
         dispatcher = moe.experts.dispatcher
+        if _CHECKED.get(dispatcher) is self:
+            return
+        self._check_dispatcher(dispatcher)
+        _CHECKED[dispatcher] = self
+
+    def _check_dispatcher(self, dispatcher: object) -> None:
         partial = getattr(dispatcher, "partial_mesh", None)
         tp_ranks = self.mesh.mesh.tolist()
         if self.routing == "replicate":

@@ -195,12 +195,22 @@ def _block_sums(counts: list[int], e: int) -> list[int]:
     return [sum(counts[i : i + e]) for i in range(0, len(counts), e)]
 
 
+def _split_counts(counts: list[int], rows: int) -> tuple[list[int], list[int]]:
+    """Per-expert counts of the first ``rows`` rows of a group-sorted block, and of the rest."""
+    first = []
+    for c in counts:
+        first.append(min(c, rows))
+        rows -= first[-1]
+    return first, [c - f for c, f in zip(counts, first)]
+
+
 @dataclass(frozen=True, slots=True)
 class _Route:
     """Where the rows of one forward go: fixed by the routing, kept for the backward.
 
     ``send``/``recv``: rows to and from each rank (0 for this rank: its own rows stay).
-    ``offs_own``/``offs_recv``: ``grouped_mm`` group ends of the own and the received rows.
+    ``own``: the own rows' two chunks, as ``(start, stop, grouped_mm group ends)``.
+    ``offs_recv``: ``grouped_mm`` group ends of the received rows.
     """
 
     group: Any
@@ -208,7 +218,7 @@ class _Route:
     recv: list[int]
     n_send: int
     n_recv: int
-    offs_own: torch.Tensor
+    own: tuple[tuple[int, int, torch.Tensor], ...]
     offs_recv: torch.Tensor
 
 
@@ -265,11 +275,12 @@ class _ExpertParallelStep(torch.autograd.Function):
         recv_e = [
             sum(received[q * e + j] for q in range(P)) - received[me * e + j] for j in range(e)
         ]
-        route = _Route(
-            group, send, recv, n_send, n_recv, _offsets(own_e, dev), _offsets(recv_e, dev)
-        )
+        own1_e, own2_e = _split_counts(own_e, sum(own_e) // 2)
+        n1 = n_send + sum(own1_e)
+        own = ((n_send, n1, _offsets(own1_e, dev)), (n1, N, _offsets(own2_e, dev)))
+        route = _Route(group, send, recv, n_send, n_recv, own, _offsets(recv_e, dev))
         weights = (w1_eHD, w2_eDH, w3_eHD)
-        own_out, own_saved = _swiglu_forward(sent_ND[n_send:], *weights, route.offs_own)
+        own1_out, own1_saved = _swiglu_forward(sent_ND[n_send:n1], *weights, own[0][2])
         token_work.wait()
         routed_RD = recv_MD.index_select(0, token_M)
         recv_out, recv_saved = _swiglu_forward(routed_RD, *weights, route.offs_recv)
@@ -279,7 +290,9 @@ class _ExpertParallelStep(torch.autograd.Function):
         out_work = dist.all_to_all_single(
             out_ND[:n_send], back_MD, send, recv, group=group, async_op=True
         )
-        out_ND[n_send:].copy_(own_out)
+        own2_out, own2_saved = _swiglu_forward(sent_ND[n1:], *weights, own[1][2])
+        out_ND[n_send:n1].copy_(own1_out)
+        out_ND[n1:].copy_(own2_out)
         out_work.wait()
         # Combine: y[t] = sum_x s[t, x] * out[row(t, x)], in x order (T x D temporaries only).
         row_XT = row_N.view(T, X).t().contiguous()
@@ -289,16 +302,16 @@ class _ExpertParallelStep(torch.autograd.Function):
             y_TD.addcmul_(out_ND.index_select(0, row_XT[x]), s_TX[:, x : x + 1])
         ctx.route = route
         ctx.save_for_backward(
-            *own_saved, *recv_saved, *weights, out_ND, scores_TX, order_N, token_N, row_N,
-            row_XT, token_M, row_M,
+            *own1_saved, *own2_saved, *recv_saved, *weights, out_ND, scores_TX, order_N, token_N,
+            row_N, row_XT, token_M, row_M,
         )  # fmt: skip
         return y_TD
 
     @staticmethod
     def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = ctx.saved_tensors
-        own_saved, recv_saved, weights = saved[0:4], saved[4:8], saved[8:11]
-        out_ND, scores_TX, order_N, token_N, row_N, row_XT, token_M, row_M = saved[11:]
+        own_saved, recv_saved, weights = (saved[0:4], saved[4:8]), saved[8:12], saved[12:15]
+        out_ND, scores_TX, order_N, token_N, row_N, row_XT, token_M, row_M = saved[15:]
         route = ctx.route
         (X, T), D = row_XT.shape, out_ND.shape[-1]
         # Each sorted row's token gradient: the score's gradient is its dot product with the
@@ -319,11 +332,16 @@ class _ExpertParallelStep(torch.autograd.Function):
             group=route.group,
             async_op=True,
         )
-        grad_own = grad_ND[route.n_send :]
-        grad_x_own, grad_gate, grad_up = _swiglu_input_grad(
-            grad_own, own_saved, weights, route.offs_own
-        )
-        grad_ws = _swiglu_weight_grads(grad_own, own_saved, grad_gate, grad_up, route.offs_own)
+        grad_x_own: list[torch.Tensor] = []
+
+        def own_backward(i: int) -> tuple[torch.Tensor, ...]:
+            start, stop, offs = route.own[i]
+            grad_own = grad_ND[start:stop]
+            grad_x, grad_gate, grad_up = _swiglu_input_grad(grad_own, own_saved[i], weights, offs)
+            grad_x_own.append(grad_x)
+            return _swiglu_weight_grads(grad_own, own_saved[i], grad_gate, grad_up, offs)
+
+        grad_ws = own_backward(1)
         work.wait()
         grad_RD = grad_recv_MD.index_select(0, token_M)
         grad_x_RD, grad_gate, grad_up = _swiglu_input_grad(
@@ -338,11 +356,11 @@ class _ExpertParallelStep(torch.autograd.Function):
             group=route.group,
             async_op=True,
         )
-        for acc, g in zip(
-            grad_ws, _swiglu_weight_grads(grad_RD, recv_saved, grad_gate, grad_up, route.offs_recv)
-        ):
-            acc.add_(g)
-        grad_sent_ND[route.n_send :].copy_(grad_x_own)
+        recv_ws = _swiglu_weight_grads(grad_RD, recv_saved, grad_gate, grad_up, route.offs_recv)
+        for acc, g, g1 in zip(grad_ws, recv_ws, own_backward(0)):
+            acc.add_(g).add_(g1)
+        for (start, stop, _), grad_x in zip(route.own, reversed(grad_x_own)):
+            grad_sent_ND[start:stop].copy_(grad_x)
         work.wait()
         grad_x_TD = grad_sent_ND.index_select(0, row_XT[0])
         for x in range(1, X):

@@ -79,6 +79,67 @@ def dtensor_from_local_spec(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
+class _LocalViews(torch.autograd.Function):
+    """Local tensors of several DTensors in one node; backward wraps each gradient with a spec.
+
+    The forward returns ``t._local_tensor.view_as(...)`` like ``DTensor.to_local``; the backward
+    wraps each (contiguous) local gradient with its precomputed gradient spec, which is what
+    ``to_local(grad_placements=...)``'s backward builds, minus the per-call spec construction.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, grad_specs: tuple[DTensorSpec, ...], *ts: DTensor) -> tuple:
+        ctx.grad_specs = grad_specs
+        return tuple(t._local_tensor.view_as(t._local_tensor) for t in ts)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        return (
+            None,
+            *(
+                None if g is None else DTensor(g.contiguous(), spec, requires_grad=False)
+                for g, spec in zip(grads, ctx.grad_specs)
+            ),
+        )
+
+
+# (spec identity, gradient placements) -> (spec, gradient spec); bounded like _ALIGNED.
+_GRAD_SPECS: dict[tuple[int, tuple], tuple[DTensorSpec, DTensorSpec]] = {}
+
+
+def _grad_spec(t: DTensor, grad_placements: tuple) -> DTensorSpec | None:
+    spec = t._spec
+    key = (id(spec), grad_placements)
+    hit = _GRAD_SPECS.get(key)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    meta = spec.tensor_meta
+    if not t._local_tensor.is_contiguous() or meta is None:
+        return None
+    # A contiguous local gradient has the global stride of a contiguous tensor (what torch's
+    # to_local backward computes from it); the parameter's own stride is that when it is
+    # contiguous, which ``distribute_tensor`` produces.
+    if tuple(meta.stride) != torch.empty(meta.shape, device="meta").stride():
+        return None
+    grad_spec = DTensorSpec(spec.mesh, grad_placements, tensor_meta=meta)
+    if len(_GRAD_SPECS) >= _ALIGNED_MAX:
+        _GRAD_SPECS.clear()
+    _GRAD_SPECS[key] = (spec, grad_spec)
+    return grad_spec
+
+
+def local_views(ts: tuple[DTensor, ...], grad_placements: tuple[tuple, ...]) -> tuple:
+    """``tuple(t.to_local(grad_placements=g) for t, g in zip(ts, grad_placements))``, cheaper.
+
+    One autograd node for all of them and cached gradient specs; falls back to ``to_local``
+    when a local tensor or the global layout is not contiguous.
+    """
+    specs = tuple(_grad_spec(t, g) for t, g in zip(ts, grad_placements))
+    if any(s is None for s in specs):
+        return tuple(t.to_local(grad_placements=list(g)) for t, g in zip(ts, grad_placements))
+    return _LocalViews.apply(specs, *ts)
+
+
 def replace_dtensor_storage(dst: DTensor, src: DTensor) -> None:
     """Make ``dst`` hold ``src``'s local tensor and spec (same global shape, new placements).
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
+from dtensor_moe import _compat
 from dtensor_moe.moe.config import ComputePath
 from dtensor_moe.moe.dispatch import TokenDispatcher
 
@@ -208,13 +209,21 @@ def local_expert_weight(w: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(w, DTensor):
         return w
+    _check_not_partial(w)
+    return w.to_local(grad_placements=list(_grad_placements(w)))
+
+
+def _check_not_partial(w: DTensor) -> None:
     if any(p.is_partial() for p in w.placements):
         raise ValueError(
             f"routed expert weights must be Shard or Replicate DTensors, got {w.placements}; "
             "redistribute the weight or re-apply the parallel style"
         )
-    grad_placements = [Partial() if p.is_replicate() else p for p in w.placements]
-    return w.to_local(grad_placements=grad_placements)
+
+
+def _grad_placements(w: DTensor) -> tuple:
+    """See Note [Expert weights as DTensors]: ``Replicate`` dims give ``Partial`` gradients."""
+    return tuple(Partial() if p.is_replicate() else p for p in w.placements)
 
 
 class GroupedExperts(nn.Module):
@@ -280,7 +289,12 @@ class GroupedExperts(nn.Module):
         A dispatcher that computes several row chunks (to overlap them with communication) calls
         this once and :func:`grouped_swiglu` per chunk. See Note [Expert weights as DTensors].
         """
-        w1, w2, w3 = (local_expert_weight(w) for w in (self.w1, self.w2, self.w3))
+        ws = (self.w1, self.w2, self.w3)
+        if all(isinstance(w, DTensor) for w in ws):
+            for w in ws:
+                _check_not_partial(w)
+            return _compat.local_views(ws, tuple(_grad_placements(w) for w in ws))
+        w1, w2, w3 = (local_expert_weight(w) for w in ws)
         return w1, w2, w3
 
     def extra_repr(self) -> str:

@@ -44,7 +44,7 @@ group holds a hidden-dim slice of the same experts. Instead of gathering every t
 all-to-alls), the all-to-all runs over the flattened ``ep * etp`` ranks and sends each row to
 all ``replicas = etp`` ranks that hold a slice of its expert: destination ``q = p * etp + j``
 for EP rank ``p`` and slice ``j``. Each returns the partial output of its slice, and combine
-sums the ``etp`` partials of a row together with its ``K`` experts, in one ``bmm``. This is the
+sums the ``etp`` partials of a row together with its ``K`` experts, in one pass. This is the
 same machinery with ``X = K * etp`` rows per token (:func:`replicate_over_etp`), so the output
 is complete (not ``Partial``), every tp rank routes only its own tokens, and a step runs 5
 collectives instead of 9. The token gather's backward sums the ``X`` row gradients of a token,
@@ -52,25 +52,41 @@ which adds up the ``etp`` partial input gradients.
 
 Note [Overlapped all-to-all]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-:meth:`AllToAllTokenDispatcher.run_experts` (what ``GroupedExperts.forward`` calls) overlaps
-both exchanges with the expert math on the rows this rank routes to *itself*, which need no
-exchange. The rows are sorted with this rank's own block last, so the rows to send are a prefix
-and the own rows a suffix, split in two halves ``own1`` and ``own2``. Forward:
+:meth:`AllToAllTokenDispatcher.run_experts` (what ``GroupedExperts.forward`` calls) runs the
+whole dispatch -> experts -> combine of Note [All-to-all dispatch] as *one* autograd node,
+:class:`_ExpertParallelStep`, and overlaps both exchanges with the expert math on the rows this
+rank routes to *itself*, which need no exchange. The rows are sorted with this rank's own block
+last, so the rows to send are a prefix and the own rows a suffix, split in two halves ``own1``
+and ``own2``. Forward:
 
-    launch token exchange -> experts(own1) -> wait -> experts(received) ->
-    launch output exchange -> experts(own2) -> wait -> combine
+    launch count exchange -> sort, gather rows -> wait -> launch token exchange ->
+    experts(own1) -> wait -> experts(received) -> launch output exchange -> experts(own2) ->
+    wait -> combine
 
-Each exchange is launched with the non-autograd ``all_to_all_single`` and joined to the graph
-afterwards, by :class:`_RemoteExperts` (token exchange fused with the experts on the received
-rows, ``grouped_mm`` path) or :class:`_Exchange` (output exchange; token exchange on the other
-paths), whose nodes are created *after* the overlapped compute. Autograd runs ready nodes
-newest first, so the backward is the mirror image: the output exchange's reverse is launched
-(not waited for) before ``experts(own2)``'s backward runs; ``_RemoteExperts`` computes the
-input gradient, launches the token exchange's reverse, and only then computes the three weight
-gradients, followed by ``experts(own1)``'s backward. The exchange after the longest compute
-phase, where ranks arrive furthest apart, thus has the most work to hide behind. The number
-and sizes of the collectives are those of Note [All-to-all dispatch]. With ``pad_multiple > 1``
-the plain ``dispatch`` / ``compute`` / ``combine`` path runs instead.
+and the backward, written out by hand in the mirror order:
+
+    combine backward -> launch reverse output exchange -> experts(own2) backward -> wait ->
+    input gradient of experts(received) -> launch reverse token exchange ->
+    weight gradients of experts(received) -> experts(own1) backward -> wait -> token gather
+    backward
+
+Why one node, and why ``torch.distributed.all_to_all_single(async_op=True)`` rather than the
+functional collectives: on CPU, where four ranks share the cores, a step is bound by CPU time,
+and the per-op autograd bookkeeping and the functional wrappers (``AsyncCollectiveTensor``,
+pytree maps) cost more than the row gathers. Inside the node the ops run without autograd
+recording, the exchanges are launched directly, and the order of the steps is explicit instead
+of relying on autograd's scheduling. ``CommDebugMode`` still sees every exchange (as
+``c10d.alltoall_base_``), so the collective counts stay pinned in the tests. Dead exchange
+buffers are reused for the next exchange of the same size: fresh multi-megabyte buffers cost
+page faults on CPU. The math is the same ``grouped_mm`` calls as ``grouped_swiglu``; the
+gradients match the autograd of ``permute_tokens`` -> ``grouped_swiglu`` ->
+``unpermute_and_reduce`` up to float rounding (the combine adds the ``X`` rows of a token in
+``x`` order).
+
+With ``pad_multiple > 1``, ``score_before_experts``, or a compute path other than
+``grouped_mm`` (an unsupported dtype or alignment, or a forced ``loop``/``bmm``), the plain
+``dispatch`` / ``compute`` / ``combine`` path runs instead, with the same collectives through
+``all_to_all_single_autograd``.
 """
 
 # ruff: noqa: N803, N806, N815

@@ -95,6 +95,12 @@ def _local_view(t: DTensor, *, region_output: Placement) -> torch.Tensor:
     return t.to_local(grad_placements=region_grad_placements(t.placements, region_output))
 
 
+def _local_views(ts: tuple[DTensor, ...], region_output: Placement) -> tuple[torch.Tensor, ...]:
+    """:func:`_local_view` of several DTensors, as one autograd node (``_compat.local_views``)."""
+    grad_placements = tuple(tuple(region_grad_placements(t.placements, region_output)) for t in ts)
+    return _compat.local_views(ts, grad_placements)
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, step = [], 1
     for size in reversed(shape):
@@ -154,9 +160,9 @@ class TokenParallelForward:
         B, L, D = x_in.shape
         tokens = self._tokens(x_in)
         local = functools.partial(_local_view, region_output=tokens.region_output)
-        x_local = local(tokens.x)
+        x_local, gate_local = _local_views((tokens.x, moe.router.gate.weight), tokens.region_output)
         x_TD = x_local.reshape(-1, D)
-        logits_TE = F.linear(x_TD, local(moe.router.gate.weight))
+        logits_TE = F.linear(x_TD, gate_local)
         routing = self._route(moe.router, logits_TE, tokens, x_TD.dtype, batch=B, seq_len=L)
         y_TD = moe.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
         if isinstance(y_TD, DTensor):  # expert TP: a Partial DTensor on the etp mesh
@@ -233,6 +239,9 @@ class TokenParallelForward:
                 "input_layout=Shard(1) (sequence parallel) or Replicate()"
             )
         moe._check_input(x)
+        if self.routing == "split" and self.input_layout.is_shard():
+            # The routed region reads x's own shards and returns gradients in x's placements.
+            return x
         # A round trip whose backward redistributes the gradient to the input's placements.
         return DTensor.from_local(
             x.to_local(), self.mesh, x.placements, shape=x.shape, stride=x.stride()

@@ -99,6 +99,27 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
         )
 
     @with_comms
+    def test_fast_path_is_one_node_and_runs_under_no_grad(self):
+        """The default EP config takes the one-node path (Note [Overlapped all-to-all]); under
+        ``no_grad`` it gives the same output, and a double backward fails loudly."""
+        model, meshes, layout = _build("ep4", COUNT_CASE)
+        torch.manual_seed(1 + self.rank)
+        x = _input(meshes, layout, torch.randn(COUNT_CASE.B, COUNT_CASE.L, D))
+        y = model(x)
+        names, stack = set(), [y.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is not None and type(fn).__name__ not in names:
+                names.add(type(fn).__name__)
+                stack.extend(f for f, _ in fn.next_functions)
+        self.assertIn("_ExpertParallelStepBackward", names)
+        with torch.no_grad():
+            y_inference = model(x)
+        self.assertEqual(y_inference, y.detach(), atol=0, rtol=0)
+        with self.assertRaisesRegex(RuntimeError, "cannot build a graph"):
+            torch.autograd.grad(_local_loss(y), x, create_graph=True)
+
+    @with_comms
     def test_errors_before_any_collective(self):
         cfg = MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=2)
         world = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))

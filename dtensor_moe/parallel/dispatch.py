@@ -325,6 +325,11 @@ class _ExpertParallelStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph=True; checked on every rank, before any exchange
+            raise RuntimeError(
+                "the expert-parallel MoE backward cannot build a graph (create_graph=True, "
+                "double backward is not supported); call backward with create_graph=False"
+            )
         saved = ctx.saved_tensors
         own_saved, recv_saved, weights = (saved[0:4], saved[4:8]), saved[8:12], saved[12:15]
         out_ND, scores_TX, order_N, token_N, row_N, row_XT, token_M, row_M = saved[15:]

@@ -118,6 +118,11 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
         self.assertEqual(y_inference, y.detach(), atol=0, rtol=0)
         with self.assertRaisesRegex(RuntimeError, "cannot build a graph"):
             torch.autograd.grad(_local_loss(y), x, create_graph=True)
+        # An expanded upstream gradient (zero strides, from .sum()) is accepted (Note
+        # [grouped_mm expanded grad] in dtensor_moe/moe/experts.py).
+        (grad_sum,) = torch.autograd.grad(model(x).sum(), x)
+        (grad_ones,) = torch.autograd.grad(model(x), x, torch.ones(x.shape))
+        self.assertEqual(grad_sum, grad_ones, atol=0, rtol=0)
 
     @with_comms
     def test_errors_before_any_collective(self):

@@ -56,8 +56,9 @@ Note [Overlapped all-to-all]
 whole dispatch -> experts -> combine of Note [All-to-all dispatch] as *one* autograd node,
 :class:`_ExpertParallelStep`, and overlaps both exchanges with the expert math on the rows this
 rank routes to *itself*, which need no exchange. The rows are sorted with this rank's own block
-last, so the rows to send are a prefix and the own rows a suffix, split in two halves ``own1``
-and ``own2``. Forward:
+last, so the rows to send are a prefix and the own rows a suffix, split in two chunks: ``own1``
+(a third of them) and ``own2`` (the rest), because the output exchange's wait is the longer
+one. Forward:
 
     launch count exchange -> sort, gather rows -> wait -> launch token exchange ->
     experts(own1) -> wait -> experts(received) -> launch output exchange -> experts(own2) ->
@@ -291,7 +292,9 @@ class _ExpertParallelStep(torch.autograd.Function):
         recv_e = [
             sum(received[q * e + j] for q in range(P)) - received[me * e + j] for j in range(e)
         ]
-        own1_e, own2_e = _split_counts(own_e, sum(own_e) // 2)
+        # A third before the token exchange's wait, two thirds before the output exchange's:
+        # the second wait is the longer one (measured; Note [Overlapped all-to-all]).
+        own1_e, own2_e = _split_counts(own_e, sum(own_e) // 3)
         n1 = n_send + sum(own1_e)
         own = ((n_send, n1, _offsets(own1_e, dev)), (n1, N, _offsets(own2_e, dev)))
         route = _Route(group, send, recv, n_send, n_recv, own, _offsets(recv_e, dev))

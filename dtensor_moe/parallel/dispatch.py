@@ -468,12 +468,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             return super().dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         P, e = self.mesh.size(), self.num_experts // self.ep_size
-        ids_TX, scores_TX, counts_X = topk_ids_TK, topk_scores_TK, counts_E
-        if self.replicas > 1:
-            ids_TX, counts_X = replicate_over_etp(
-                topk_ids_TK, counts_E, experts_per_rank=e, replicas=self.replicas
-            )
-            scores_TX = topk_scores_TK.repeat_interleave(self.replicas, dim=1)
+        ids_TX, scores_TX, counts_X = self._destinations(topk_scores_TK, topk_ids_TK, counts_E)
         # The count exchange runs while this rank sorts and gathers its rows.
         counts_in = funcol.all_to_all_single(counts_X, None, None, self.mesh)
         layout = sort_by_expert(ids_TX, counts_X)

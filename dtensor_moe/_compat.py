@@ -7,7 +7,7 @@ pieces below, this is the file to update. Each helper names the torch 2.13 inter
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ __all__ = [
     "PLAIN_TENSOR_TYPES",
     "DTensorSpec",
     "clear_sharding_prop_cache",
+    "contiguous_stride",
     "custom_op_handlers",
     "device_has_foreach_support",
     "dtensor_from_local_spec",
@@ -79,6 +80,15 @@ def dtensor_from_local_spec(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (size-0 dims count as 1, as torch does)."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
 class _LocalViews(torch.autograd.Function):
     """Local tensors of several DTensors in one node; backward wraps each gradient with a spec.
 
@@ -119,7 +129,7 @@ def _grad_spec(t: DTensor, grad_placements: tuple) -> DTensorSpec | None:
     # A contiguous local gradient has the global stride of a contiguous tensor (what torch's
     # to_local backward computes from it); the parameter's own stride is that when it is
     # contiguous, which ``distribute_tensor`` produces.
-    if tuple(meta.stride) != torch.empty(meta.shape, device="meta").stride():
+    if tuple(meta.stride) != contiguous_stride(meta.shape):
         return None
     grad_spec = DTensorSpec(spec.mesh, grad_placements, tensor_meta=meta)
     if len(_GRAD_SPECS) >= _ALIGNED_MAX:

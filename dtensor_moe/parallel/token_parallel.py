@@ -101,14 +101,6 @@ def _local_views(ts: tuple[DTensor, ...], region_output: Placement) -> tuple[tor
     return _compat.local_views(ts, grad_placements)
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Tokens:
     """The tokens this rank routes, for one forward (see Note [Token-parallel MoE]).
@@ -178,7 +170,7 @@ class TokenParallelForward:
             self.mesh,
             [tokens.region_output],
             shape=tokens.x.shape,
-            stride=_contiguous_stride(tokens.x.shape),
+            stride=_compat.contiguous_stride(tokens.x.shape),
         )
         y = self._output(y, x_in)
         return y if isinstance(x, DTensor) else y.to_local()

@@ -356,16 +356,14 @@ class _ExpertParallelStep(torch.autograd.Function):
             group=route.group,
             async_op=True,
         )
-        grad_x_own: list[torch.Tensor] = []
 
-        def own_backward(i: int) -> tuple[torch.Tensor, ...]:
+        def own_backward(i: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
             start, stop, offs = route.own[i]
             grad_own = grad_ND[start:stop]
             grad_x, grad_gate, grad_up = _swiglu_input_grad(grad_own, own_saved[i], weights, offs)
-            grad_x_own.append(grad_x)
-            return _swiglu_weight_grads(grad_own, own_saved[i], grad_gate, grad_up, offs)
+            return grad_x, _swiglu_weight_grads(grad_own, own_saved[i], grad_gate, grad_up, offs)
 
-        grad_ws = own_backward(1)
+        grad_x_own2, grad_ws = own_backward(1)
         work.wait()
         grad_RD = grad_recv_MD.index_select(0, token_M)
         grad_x_RD, grad_gate, grad_up = _swiglu_input_grad(
@@ -381,9 +379,10 @@ class _ExpertParallelStep(torch.autograd.Function):
             async_op=True,
         )
         recv_ws = _swiglu_weight_grads(grad_RD, recv_saved, grad_gate, grad_up, route.offs_recv)
-        for acc, g, g1 in zip(grad_ws, recv_ws, own_backward(0)):
+        grad_x_own1, own1_ws = own_backward(0)
+        for acc, g, g1 in zip(grad_ws, recv_ws, own1_ws):
             acc.add_(g).add_(g1)
-        for (start, stop, _), grad_x in zip(route.own, reversed(grad_x_own)):
+        for (start, stop, _), grad_x in zip(route.own, (grad_x_own1, grad_x_own2)):
             grad_sent_ND[start:stop].copy_(grad_x)
         work.wait()
         grad_x_TD = grad_sent_ND.index_select(0, row_XT[0])
@@ -512,14 +511,14 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         ``combine`` without a mesh, with ``pad_multiple > 1``, with ``score_before_experts``,
         and when the experts do not run on the ``grouped_mm`` path.
         """
-        weights = experts.local_weights()
-        if (
+        plain = (
             self.mesh is None
             or self.pad_multiple != 1
             or self.score_before_experts
             or experts.compute_path not in ("auto", "grouped_mm")
-            or not _grouped_mm_supported(x_TD, weights[0])
-        ):
+        )
+        weights = None if plain else experts.local_weights()
+        if weights is None or not _grouped_mm_supported(x_TD, weights[0]):
             return super().run_experts(experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         ids_TX, scores_TX, counts_X = self._destinations(topk_scores_TK, topk_ids_TK, counts_E)

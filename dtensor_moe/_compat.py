@@ -34,6 +34,7 @@ __all__ = [
     "replace_dtensor_storage",
     "schema_of",
     "spec_of",
+    "spec_dtype",
     "splits_tensor",
     "subclass_torch_function_disabled",
 ]
@@ -215,7 +216,8 @@ def local_tensors(values: list) -> list[torch.Tensor]:
     return [v._local_tensor for v in values]
 
 
-def _dtype_of(spec: DTensorSpec) -> torch.dtype | None:
+def spec_dtype(spec: DTensorSpec) -> torch.dtype | None:
+    """The dtype a spec records, or ``None`` when it has no tensor metadata."""
     meta = spec.tensor_meta
     return None if meta is None else meta.dtype
 
@@ -228,7 +230,7 @@ def _specs_aligned(p_specs: tuple, v_specs: tuple) -> bool:
         if (
             (v.mesh is not p.mesh and v.mesh != p.mesh)
             or v.placements != p.placements
-            or _dtype_of(v) != _dtype_of(p)
+            or spec_dtype(v) != spec_dtype(p)
         ):
             return False
     return True

@@ -195,7 +195,7 @@ def single_group_key(p_specs: tuple, first_local: torch.Tensor) -> tuple | None:
     cached = _GROUP_KEYS.get(id(p_specs))
     if cached is not None and cached[0] is p_specs:
         return cached[1]
-    dtypes = {None if s.tensor_meta is None else s.tensor_meta.dtype for s in p_specs}
+    dtypes = {_compat.spec_dtype(s) for s in p_specs}
     device_types = {s.mesh.device_type for s in p_specs}
     key = None
     if len(dtypes) == 1 and len(device_types) == 1 and first_local.dtype in dtypes:

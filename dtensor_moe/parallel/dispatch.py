@@ -34,7 +34,8 @@ weight and sum each token's rows (the shared tail again). Every per-forward valu
 
 Collectives, on the dispatcher's mesh, every rank the same, sizes agreeing by construction:
 forward ``all_to_all_single`` x 3 (counts, tokens, outputs), backward ``all_to_all_single`` x 2
-(output grads, token grads). All are functional collectives, so ``CommDebugMode`` sees them.
+(output grads, token grads). ``CommDebugMode`` sees them all: functional collectives on the
+plain path, ``all_to_all_single`` calls on the one-node path of Note [Overlapped all-to-all].
 
 Note [Expert TP by all-to-all]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -56,20 +57,21 @@ Note [Overlapped all-to-all]
 whole dispatch -> experts -> combine of Note [All-to-all dispatch] as *one* autograd node,
 :class:`_ExpertParallelStep`, and overlaps both exchanges with the expert math on the rows this
 rank routes to *itself*, which need no exchange. The rows are sorted with this rank's own block
-last, so the rows to send are a prefix and the own rows a suffix, split in two chunks: ``own1``
-(a third of them) and ``own2`` (the rest), because the output exchange's wait is the longer
-one. Forward:
+last, so the rows to send are a prefix and the own rows a suffix. The own rows' math is split
+by operation, not by rows, so that it stays one ``grouped_mm`` per weight: the gate projection
+(a third of it) overlaps the token exchange and the rest (two thirds) the output exchange,
+whose wait is the longer one. Forward:
 
     launch count exchange -> sort, gather rows -> wait -> launch token exchange ->
-    experts(own1) -> wait -> experts(received) -> launch output exchange -> experts(own2) ->
-    wait -> combine
+    own gate projection -> wait -> experts(received) -> launch output exchange ->
+    rest of experts(own) -> wait -> combine
 
 and the backward, written out by hand in the mirror order:
 
-    combine backward -> launch reverse output exchange -> experts(own2) backward -> wait ->
-    input gradient of experts(received) -> launch reverse token exchange ->
-    weight gradients of experts(received) -> experts(own1) backward -> wait -> token gather
-    backward
+    combine backward -> launch reverse output exchange -> input and w2 gradients of
+    experts(own) -> wait -> input gradient of experts(received) -> launch reverse token
+    exchange -> weight gradients of experts(received), w1 and w3 gradients of experts(own) ->
+    wait -> token gather backward
 
 Why one node, and why ``torch.distributed.all_to_all_single(async_op=True)`` rather than the
 functional collectives: on CPU, where four ranks share the cores, a step is bound by CPU time,
@@ -157,45 +159,51 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def _swiglu_forward(
-    x_RD: torch.Tensor, w1_eHD: torch.Tensor, w2_eDH: torch.Tensor, w3_eHD: torch.Tensor, offs
+    x_RD: torch.Tensor,
+    w1_eHD: torch.Tensor,
+    w2_eDH: torch.Tensor,
+    w3_eHD: torch.Tensor,
+    offs: torch.Tensor,
+    gate_RH: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Grouped SwiGLU on row groups ending at ``offs``; returns the output and what backward needs.
 
-    The same ``grouped_mm`` calls as ``grouped_swiglu``; the backward is
+    The same ``grouped_mm`` calls as ``grouped_swiglu``. ``gate_RH``: the gate projection, when
+    it was computed earlier (Note [Overlapped all-to-all]). The backward is
     :func:`_swiglu_input_grad` then :func:`_swiglu_weight_grads`.
     """
-    gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
+    if gate_RH is None:
+        gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
     up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
-    h_RH = torch.nn.functional.silu(gate_RH) * up_RH
-    return _gmm(h_RH, w2_eDH.transpose(-2, -1), offs), (x_RD, gate_RH, up_RH, h_RH)
+    act_RH = torch.nn.functional.silu(gate_RH)
+    h_RH = act_RH * up_RH
+    return _gmm(h_RH, w2_eDH.transpose(-2, -1), offs), (x_RD, gate_RH, up_RH, act_RH, h_RH)
 
 
 def _swiglu_input_grad(
     grad_RD: torch.Tensor, saved: tuple[torch.Tensor, ...], weights: tuple, offs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_x_RD, grad_gate_RH, grad_up_RH)`` of :func:`_swiglu_forward`."""
-    _, gate_RH, up_RH, _ = saved
+    _, gate_RH, up_RH, act_RH, _ = saved
     w1_eHD, w2_eDH, w3_eHD = weights
     grad_h_RH = _gmm(grad_RD, w2_eDH, offs)
     grad_gate_RH = torch.ops.aten.silu_backward(grad_h_RH * up_RH, gate_RH)
-    grad_up_RH = grad_h_RH.mul_(torch.nn.functional.silu(gate_RH))
+    grad_up_RH = grad_h_RH.mul_(act_RH)
     grad_x_RD = _gmm(grad_gate_RH, w1_eHD, offs).add_(_gmm(grad_up_RH, w3_eHD, offs))
     return grad_x_RD, grad_gate_RH, grad_up_RH
 
 
-def _swiglu_weight_grads(
-    grad_RD: torch.Tensor,
-    saved: tuple[torch.Tensor, ...],
-    grad_gate_RH: torch.Tensor,
-    grad_up_RH: torch.Tensor,
-    offs: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(grad_w1, grad_w2, grad_w3)`` of :func:`_swiglu_forward`."""
-    x_RD, _, _, h_RH = saved
-    grad_w2 = _gmm(grad_RD.t(), h_RH, offs)
-    grad_w1 = _gmm(grad_gate_RH.t(), x_RD, offs)
-    grad_w3 = _gmm(grad_up_RH.t(), x_RD, offs)
-    return grad_w1, grad_w2, grad_w3
+def _w2_grad(grad_RD: torch.Tensor, saved: tuple[torch.Tensor, ...], offs) -> torch.Tensor:
+    """``grad_w2`` of :func:`_swiglu_forward`."""
+    return _gmm(grad_RD.t(), saved[4], offs)
+
+
+def _w13_grads(
+    saved: tuple[torch.Tensor, ...], grad_gate_RH: torch.Tensor, grad_up_RH: torch.Tensor, offs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_w1, grad_w3)`` of :func:`_swiglu_forward`."""
+    x_RD = saved[0]
+    return _gmm(grad_gate_RH.t(), x_RD, offs), _gmm(grad_up_RH.t(), x_RD, offs)
 
 
 def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -212,22 +220,12 @@ def _block_sums(counts: list[int], e: int) -> list[int]:
     return [sum(counts[i : i + e]) for i in range(0, len(counts), e)]
 
 
-def _split_counts(counts: list[int], rows: int) -> tuple[list[int], list[int]]:
-    """Per-expert counts of the first ``rows`` rows of a group-sorted block, and of the rest."""
-    first = []
-    for c in counts:
-        first.append(min(c, rows))
-        rows -= first[-1]
-    return first, [c - f for c, f in zip(counts, first)]
-
-
 @dataclass(frozen=True, slots=True)
 class _Route:
     """Where the rows of one forward go: fixed by the routing, kept for the backward.
 
     ``send``/``recv``: rows to and from each rank (0 for this rank: its own rows stay).
-    ``own``: the own rows' two chunks, as ``(start, stop, grouped_mm group ends)``.
-    ``offs_recv``: ``grouped_mm`` group ends of the received rows.
+    ``offs_own``/``offs_recv``: ``grouped_mm`` group ends of the own and the received rows.
     """
 
     group: Any
@@ -235,7 +233,7 @@ class _Route:
     recv: list[int]
     n_send: int
     n_recv: int
-    own: tuple[tuple[int, int, torch.Tensor], ...]
+    offs_own: torch.Tensor
     offs_recv: torch.Tensor
 
 
@@ -276,14 +274,13 @@ class _ExpertParallelStep(torch.autograd.Function):
         sent, received = torch.stack((counts_X, counts_in)).tolist()
         P, me = len(sent) // e, dist.get_rank(group)
         send, recv = _block_sums(sent, e), _block_sums(received, e)
-        own_e = sent[me * e : (me + 1) * e]
         send[me] = recv[me] = 0
         n_send, n_recv = sum(send), sum(recv)
         recv_MD = x_TD.new_empty(n_recv, D)
         token_work = dist.all_to_all_single(
             recv_MD, sent_ND[:n_send], recv, send, group=group, async_op=True
         )
-        # While the rows travel: the expert order of the received rows, then the own rows.
+        # While the rows travel: the expert order of the received rows, then the own rows' gate.
         received_Pe = counts_in.view(P, e).clone()
         received_Pe[me] = 0
         local_ids_M = torch.arange(e, device=dev).repeat(P).repeat_interleave(received_Pe.view(-1))
@@ -292,14 +289,13 @@ class _ExpertParallelStep(torch.autograd.Function):
         recv_e = [
             sum(received[q * e + j] for q in range(P)) - received[me * e + j] for j in range(e)
         ]
-        # A third before the token exchange's wait, two thirds before the output exchange's:
-        # the second wait is the longer one (measured; Note [Overlapped all-to-all]).
-        own1_e, own2_e = _split_counts(own_e, sum(own_e) // 3)
-        n1 = n_send + sum(own1_e)
-        own = ((n_send, n1, _offsets(own1_e, dev)), (n1, N, _offsets(own2_e, dev)))
-        route = _Route(group, send, recv, n_send, n_recv, own, _offsets(recv_e, dev))
+        offs_own = _offsets(sent[me * e : (me + 1) * e], dev)
+        route = _Route(group, send, recv, n_send, n_recv, offs_own, _offsets(recv_e, dev))
         weights = (w1_eHD, w2_eDH, w3_eHD)
-        own1_out, own1_saved = _swiglu_forward(sent_ND[n_send:n1], *weights, own[0][2])
+        own_RD = sent_ND[n_send:]
+        # A third of the own rows' math before the token exchange's wait, two thirds before the
+        # output exchange's: the second wait is the longer one (Note [Overlapped all-to-all]).
+        own_gate_RH = _gmm(own_RD, w1_eHD.transpose(-2, -1), offs_own)
         token_work.wait()
         routed_RD = recv_MD.index_select(0, token_M)
         recv_out, recv_saved = _swiglu_forward(routed_RD, *weights, route.offs_recv)
@@ -309,9 +305,8 @@ class _ExpertParallelStep(torch.autograd.Function):
         out_work = dist.all_to_all_single(
             out_ND[:n_send], back_MD, send, recv, group=group, async_op=True
         )
-        own2_out, own2_saved = _swiglu_forward(sent_ND[n1:], *weights, own[1][2])
-        out_ND[n_send:n1].copy_(own1_out)
-        out_ND[n1:].copy_(own2_out)
+        own_out, own_saved = _swiglu_forward(own_RD, *weights, offs_own, own_gate_RH)
+        out_ND[n_send:].copy_(own_out)
         out_work.wait()
         # Combine: y[t] = sum_x s[t, x] * out[row(t, x)], in x order (T x D temporaries only).
         row_XT = row_N.view(T, X).t().contiguous()
@@ -321,8 +316,8 @@ class _ExpertParallelStep(torch.autograd.Function):
             y_TD.addcmul_(out_ND.index_select(0, row_XT[x]), s_TX[:, x : x + 1])
         ctx.route = route
         ctx.save_for_backward(
-            *own1_saved, *own2_saved, *recv_saved, *weights, out_ND, scores_TX, order_N, token_N,
-            row_N, row_XT, token_M, row_M,
+            *own_saved, *recv_saved, *weights, out_ND, scores_TX, order_N, token_N, row_N, row_XT,
+            token_M, row_M,
         )  # fmt: skip
         return y_TD
 
@@ -334,10 +329,10 @@ class _ExpertParallelStep(torch.autograd.Function):
                 "double backward is not supported); call backward with create_graph=False"
             )
         saved = ctx.saved_tensors
-        own_saved, recv_saved, weights = (saved[0:4], saved[4:8]), saved[8:12], saved[12:15]
-        out_ND, scores_TX, order_N, token_N, row_N, row_XT, token_M, row_M = saved[15:]
+        own_saved, recv_saved, weights = saved[0:5], saved[5:10], saved[10:13]
+        out_ND, scores_TX, order_N, token_N, row_N, row_XT, token_M, row_M = saved[13:]
         route = ctx.route
-        (X, T), D = row_XT.shape, out_ND.shape[-1]
+        (X, T), D, n_send = row_XT.shape, out_ND.shape[-1], route.n_send
         # Each sorted row's token gradient: the score's gradient is its dot product with the
         # row's output, and the row's gradient is it times the score.
         grad_ND = grad_TD.index_select(0, token_N)
@@ -349,21 +344,14 @@ class _ExpertParallelStep(torch.autograd.Function):
         grad_ND.mul_(scores_N.unsqueeze(-1))
         grad_recv_MD = grad_TD.new_empty(route.n_recv, D)
         work = dist.all_to_all_single(
-            grad_recv_MD,
-            grad_ND[: route.n_send],
-            route.recv,
-            route.send,
-            group=route.group,
-            async_op=True,
+            grad_recv_MD, grad_ND[:n_send], route.recv, route.send, group=route.group, async_op=True
         )
-
-        def own_backward(i: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-            start, stop, offs = route.own[i]
-            grad_own = grad_ND[start:stop]
-            grad_x, grad_gate, grad_up = _swiglu_input_grad(grad_own, own_saved[i], weights, offs)
-            return grad_x, _swiglu_weight_grads(grad_own, own_saved[i], grad_gate, grad_up, offs)
-
-        grad_x_own2, grad_ws = own_backward(1)
+        # The mirror of the forward: two thirds of the own rows' math before the first wait.
+        grad_own = grad_ND[n_send:]
+        grad_x_own, own_grad_gate, own_grad_up = _swiglu_input_grad(
+            grad_own, own_saved, weights, route.offs_own
+        )
+        grad_w2 = _w2_grad(grad_own, own_saved, route.offs_own)
         work.wait()
         grad_RD = grad_recv_MD.index_select(0, token_M)
         grad_x_RD, grad_gate, grad_up = _swiglu_input_grad(
@@ -371,24 +359,24 @@ class _ExpertParallelStep(torch.autograd.Function):
         )
         grad_sent_ND = grad_ND  # dead since the wait: reused, as in the forward
         work = dist.all_to_all_single(
-            grad_sent_ND[: route.n_send],
+            grad_sent_ND[:n_send],
             torch.index_select(grad_x_RD, 0, row_M, out=grad_recv_MD),
             route.send,
             route.recv,
             group=route.group,
             async_op=True,
         )
-        recv_ws = _swiglu_weight_grads(grad_RD, recv_saved, grad_gate, grad_up, route.offs_recv)
-        grad_x_own1, own1_ws = own_backward(0)
-        for acc, g, g1 in zip(grad_ws, recv_ws, own1_ws):
-            acc.add_(g).add_(g1)
-        for (start, stop, _), grad_x in zip(route.own, (grad_x_own1, grad_x_own2)):
-            grad_sent_ND[start:stop].copy_(grad_x)
+        grad_w2.add_(_w2_grad(grad_RD, recv_saved, route.offs_recv))
+        grad_w1, grad_w3 = _w13_grads(recv_saved, grad_gate, grad_up, route.offs_recv)
+        own_w1, own_w3 = _w13_grads(own_saved, own_grad_gate, own_grad_up, route.offs_own)
+        grad_w1.add_(own_w1)
+        grad_w3.add_(own_w3)
+        grad_sent_ND[n_send:].copy_(grad_x_own)
         work.wait()
         grad_x_TD = grad_sent_ND.index_select(0, row_XT[0])
         for x in range(1, X):
             grad_x_TD.add_(grad_sent_ND.index_select(0, row_XT[x]))
-        return grad_x_TD, grad_scores_TX, *grad_ws, None, None, None, None, None
+        return grad_x_TD, grad_scores_TX, grad_w1, grad_w2, grad_w3, None, None, None, None, None
 
 
 class AllToAllTokenDispatcher(TokenDispatcher):

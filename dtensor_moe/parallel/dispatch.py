@@ -68,10 +68,12 @@ whose wait is the longer one. Forward:
 
 and the backward, written out by hand in the mirror order:
 
-    combine backward -> launch reverse output exchange -> input and w2 gradients of
-    experts(own) -> wait -> input gradient of experts(received) -> launch reverse token
-    exchange -> weight gradients of experts(received), w1 and w3 gradients of experts(own) ->
-    wait -> token gather backward
+    combine backward -> launch reverse output exchange -> experts(own) backward -> wait ->
+    input gradient of experts(received) -> launch reverse token exchange -> weight gradients
+    of experts(received) -> wait -> token gather backward
+
+The own rows' whole backward goes before the first wait, while its operands are still in
+cache; the received rows' weight gradients are enough work to cover the second.
 
 Why one node, and why ``torch.distributed.all_to_all_single(async_op=True)`` rather than the
 functional collectives: on CPU, where four ranks share the cores, a step is bound by CPU time,
@@ -346,12 +348,13 @@ class _ExpertParallelStep(torch.autograd.Function):
         work = dist.all_to_all_single(
             grad_recv_MD, grad_ND[:n_send], route.recv, route.send, group=route.group, async_op=True
         )
-        # The mirror of the forward: two thirds of the own rows' math before the first wait.
+        # The own rows' whole backward while the output gradients travel.
         grad_own = grad_ND[n_send:]
         grad_x_own, own_grad_gate, own_grad_up = _swiglu_input_grad(
             grad_own, own_saved, weights, route.offs_own
         )
         grad_w2 = _w2_grad(grad_own, own_saved, route.offs_own)
+        grad_w1, grad_w3 = _w13_grads(own_saved, own_grad_gate, own_grad_up, route.offs_own)
         work.wait()
         grad_RD = grad_recv_MD.index_select(0, token_M)
         grad_x_RD, grad_gate, grad_up = _swiglu_input_grad(
@@ -367,10 +370,9 @@ class _ExpertParallelStep(torch.autograd.Function):
             async_op=True,
         )
         grad_w2.add_(_w2_grad(grad_RD, recv_saved, route.offs_recv))
-        grad_w1, grad_w3 = _w13_grads(recv_saved, grad_gate, grad_up, route.offs_recv)
-        own_w1, own_w3 = _w13_grads(own_saved, own_grad_gate, own_grad_up, route.offs_own)
-        grad_w1.add_(own_w1)
-        grad_w3.add_(own_w3)
+        recv_w1, recv_w3 = _w13_grads(recv_saved, grad_gate, grad_up, route.offs_recv)
+        grad_w1.add_(recv_w1)
+        grad_w3.add_(recv_w3)
         grad_sent_ND[n_send:].copy_(grad_x_own)
         work.wait()
         grad_x_TD = grad_sent_ND.index_select(0, row_XT[0])

@@ -19,6 +19,11 @@ tokens. Their floor is ``grouped_swiglu`` on exactly the rows that rank's expert
 with its local weight shards. Per repeat, step and floor are each timed on every rank between
 barriers; the repeat's ratio is (slowest rank's step) / (slowest rank's floor), and the
 reported figures are medians over repeats.
+
+``--free-exchanges`` is a diagnostic for the parallel layouts: the one-node expert-parallel
+path's all-to-alls become local copies, as if every rank received exactly the rows it sent.
+The outputs are wrong, but the work is that of a symmetric exchange, so the ratio shows what
+the layer costs without the exchanges themselves (``docs/benchmarks.md``).
 """
 
 # ruff: noqa: N806
@@ -168,6 +173,26 @@ def _captured_rows(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return seen["rows"]
 
 
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _LocalExchanges:
+    """``torch.distributed`` with ``all_to_all_single`` replaced by a local copy: see
+    ``--free-exchanges``. Every rank then "receives" exactly the rows it sent, so the counts
+    agree and the step does the work of a perfectly symmetric exchange, without the exchange.
+    """
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_to_all_single(output, input, *args, **kwargs) -> _Done:  # noqa: A002
+        output.copy_(input)
+        return _Done()
+
+
 def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     from dtensor_moe.moe.experts import local_expert_weight
     from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
@@ -192,6 +217,10 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
     w1, w2, w3 = (local_expert_weight(w).detach().requires_grad_() for w in (ex.w1, ex.w2, ex.w3))
     path = resolve_compute_path(args.path, routed_RD, w1, counts_e.tolist())
     grad_RD = torch.randn_like(routed_RD)
+    if args.free_exchanges:
+        import dtensor_moe.parallel.dispatch as dispatch_module
+
+        dispatch_module.dist = _LocalExchanges()
 
     def step() -> None:
         y = moe(x)
@@ -277,7 +306,17 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=21)
-    return p.parse_args()
+    p.add_argument(
+        "--free-exchanges",
+        action="store_true",
+        help="diagnostic, parallel layouts only: the one-node expert-parallel path's "
+        "all-to-alls become local copies (outputs are wrong; the work is that of a symmetric "
+        "exchange), to show what the exchanges themselves cost",
+    )
+    args = p.parse_args()
+    if args.free_exchanges and args.layout not in PARALLEL:
+        p.error("--free-exchanges needs a parallel --layout")
+    return args
 
 
 def main() -> None:
@@ -288,6 +327,7 @@ def main() -> None:
         f"layout={args.layout} tokens={args.tokens} dim={args.dim} hidden={args.hidden} "
         f"experts={args.experts} top_k={args.top_k} shared={args.shared} dtype={args.dtype} "
         f"threads={args.threads} repeats={args.repeats}"
+        + (" free_exchanges (diagnostic: outputs are wrong)" if args.free_exchanges else "")
     )
     rows = "rows per rank" if args.layout in PARALLEL else "rows per expert"
     print(f"expert path: {result['path']}  {rows}: {result['counts']}")

@@ -39,3 +39,12 @@ def test_moe_layer_benchmark_runs(layout):
     )
     assert f"layout={layout}" in out, out
     assert "step / floor (median of per-repeat ratios):" in out, out
+
+
+def test_moe_layer_benchmark_free_exchanges_diagnostic_runs_and_is_labelled():
+    out = _run(
+        "benchmarks/moe_layer.py", "--layout", "ep2", "--free-exchanges", "--tokens", "64",
+        "--dim", "32", "--hidden", "64", "--warmup", "1", "--repeats", "2",
+    )
+    assert "free_exchanges (diagnostic: outputs are wrong)" in out, out
+    assert "step / floor" in out, out

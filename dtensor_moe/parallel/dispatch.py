@@ -172,7 +172,8 @@ def _swiglu_forward(
 
     The same ``grouped_mm`` calls as ``grouped_swiglu``. ``gate_RH``: the gate projection, when
     it was computed earlier (Note [Overlapped all-to-all]). The backward is
-    :func:`_swiglu_input_grad` then :func:`_swiglu_weight_grads`.
+    :func:`_swiglu_input_grad`, :func:`_w2_grad` and :func:`_w13_grads`. ``silu(gate)`` is kept
+    for the backward, as autograd keeps it for ``grouped_swiglu``.
     """
     if gate_RH is None:
         gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)

@@ -7,7 +7,7 @@ pieces below, this is the file to update. Each helper names the torch 2.13 inter
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = [
     "PLAIN_TENSOR_TYPES",
+    "bounded_put",
     "DTensorSpec",
     "clear_sharding_prop_cache",
     "contiguous_stride",
@@ -133,9 +134,7 @@ def _grad_spec(t: DTensor, grad_placements: tuple) -> DTensorSpec | None:
     if tuple(meta.stride) != contiguous_stride(meta.shape):
         return None
     grad_spec = DTensorSpec(spec.mesh, grad_placements, tensor_meta=meta)
-    if len(_GRAD_SPECS) >= _ALIGNED_MAX:
-        _GRAD_SPECS.clear()
-    _GRAD_SPECS[key] = (spec, grad_spec)
+    bounded_put(_GRAD_SPECS, key, (spec, grad_spec), _ALIGNED_MAX)
     return grad_spec
 
 
@@ -241,9 +240,19 @@ def _same_objects(a: tuple, b: tuple) -> bool:
 
 
 def _remember(key: tuple, entry: tuple) -> None:
-    if len(_ALIGNED) >= _ALIGNED_MAX:
-        _ALIGNED.clear()
-    _ALIGNED[key] = entry
+    bounded_put(_ALIGNED, key, entry, _ALIGNED_MAX)
+
+
+def bounded_put(cache: dict, key: Hashable, value: object, limit: int) -> None:
+    """``cache[key] = value``, emptying ``cache`` first when it already holds ``limit`` entries.
+
+    The caches of this package are keyed by object identity and hold a handful of entries in
+    steady state; emptying a full one bounds it (and drops entries for dead objects) without the
+    bookkeeping of a least-recently-used cache.
+    """
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
 
 
 # Tensor types that are neither DTensor nor another subclass with its own behaviour.

@@ -49,6 +49,17 @@ class LocalViewsTest(DistTestBase):
             self.assertEqual(w_fast.grad.full_tensor(), w_ref.grad.full_tensor())
 
     @with_comms
+    def test_gradient_spec_cache_stays_bounded(self):
+        mesh = init_device_mesh("cpu", (4,))
+        _compat._GRAD_SPECS.clear()
+        for n in range(_compat._ALIGNED_MAX + 10):  # a new input shape at every forward
+            w = DTensor.from_local(torch.zeros(n + 1), mesh, [Shard(0)], run_check=False)
+            (view,) = _compat.local_views((w.requires_grad_(),), ((Shard(0),),))
+            self.assertEqual(view.shape, (n + 1,))
+            self.assertLessEqual(len(_compat._GRAD_SPECS), _compat._ALIGNED_MAX)
+        self.assertGreater(len(_compat._GRAD_SPECS), 0)
+
+    @with_comms
     def test_non_contiguous_local_falls_back_to_to_local(self):
         mesh = init_device_mesh("cpu", (4,))
         local = torch.randn(6, 5).t()  # a transposed, non-contiguous local shard
@@ -58,3 +69,14 @@ class LocalViewsTest(DistTestBase):
         view.sum().backward()
         self.assertEqual(w.grad.placements, (Shard(0),))
         self.assertEqual(w.grad.to_local(), torch.ones(5, 6), atol=0, rtol=0)
+
+
+def test_bounded_put_empties_a_full_cache_before_adding():
+    cache: dict = {}
+    for i in range(3):
+        _compat.bounded_put(cache, i, str(i), 3)
+    assert cache == {0: "0", 1: "1", 2: "2"}
+    _compat.bounded_put(cache, 2, "two", 3)  # full: emptied, then the entry goes in
+    assert cache == {2: "two"}
+    _compat.bounded_put(cache, 3, "3", 3)
+    assert cache == {2: "two", 3: "3"}

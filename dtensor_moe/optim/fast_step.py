@@ -200,9 +200,7 @@ def single_group_key(p_specs: tuple, first_local: torch.Tensor) -> tuple | None:
     key = None
     if len(dtypes) == 1 and len(device_types) == 1 and first_local.dtype in dtypes:
         key = (first_local.device, first_local.dtype)
-    if len(_GROUP_KEYS) >= _GROUP_KEYS_MAX:
-        _GROUP_KEYS.clear()
-    _GROUP_KEYS[id(p_specs)] = (p_specs, key)
+    _compat.bounded_put(_GROUP_KEYS, id(p_specs), (p_specs, key), _GROUP_KEYS_MAX)
     return key
 
 

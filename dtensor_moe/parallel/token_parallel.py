@@ -44,7 +44,6 @@ Router statistics are global (see Note [Global router statistics]).
 
 from __future__ import annotations
 
-import functools
 import weakref
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -90,13 +89,9 @@ def region_grad_placements(
     return [p if p.is_shard() or region_output.is_replicate() else Partial() for p in in_placements]
 
 
-def _local_view(t: DTensor, *, region_output: Placement) -> torch.Tensor:
-    """``t``'s local tensor inside the routed region, with derived gradient placements."""
-    return t.to_local(grad_placements=region_grad_placements(t.placements, region_output))
-
-
 def _local_views(ts: tuple[DTensor, ...], region_output: Placement) -> tuple[torch.Tensor, ...]:
-    """:func:`_local_view` of several DTensors, as one autograd node (``_compat.local_views``)."""
+    """The local tensors of ``ts`` inside the routed region, with derived gradient placements
+    (:func:`region_grad_placements`), as one autograd node (``_compat.local_views``)."""
     grad_placements = tuple(tuple(region_grad_placements(t.placements, region_output)) for t in ts)
     return _compat.local_views(ts, grad_placements)
 
@@ -151,18 +146,19 @@ class TokenParallelForward:
         x_in = self._input(moe, x)
         B, L, D = x_in.shape
         tokens = self._tokens(x_in)
-        local = functools.partial(_local_view, region_output=tokens.region_output)
-        x_local, gate_local = _local_views((tokens.x, moe.router.gate.weight), tokens.region_output)
+        shared = moe.shared_experts
+        shared_ws = () if shared is None else (shared.w1.weight, shared.w2.weight, shared.w3.weight)
+        x_local, gate_local, *shared_local = _local_views(
+            (tokens.x, moe.router.gate.weight, *shared_ws), tokens.region_output
+        )
         x_TD = x_local.reshape(-1, D)
         logits_TE = F.linear(x_TD, gate_local)
         routing = self._route(moe.router, logits_TE, tokens, x_TD.dtype, batch=B, seq_len=L)
         y_TD = moe.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
         if isinstance(y_TD, DTensor):  # expert TP: a Partial DTensor on the etp mesh
             y_TD = y_TD.to_local()
-        if moe.shared_experts is not None:
-            shared = moe.shared_experts
-            weights = (local(lin.weight) for lin in (shared.w1, shared.w2, shared.w3))
-            y_TD = y_TD + swiglu_mlp(x_TD, *weights)
+        if shared is not None:
+            y_TD = y_TD + swiglu_mlp(x_TD, *shared_local)
         if routing.aux_loss is not None:
             y_TD = attach_aux_loss(y_TD, routing.aux_loss)
         y = DTensor.from_local(

@@ -20,6 +20,15 @@ with its local weight shards. Per repeat, step and floor are each timed on every
 barriers; the repeat's ratio is (slowest rank's step) / (slowest rank's floor), and the
 reported figures are medians over repeats.
 
+The parallel layouts also print an account of CPU time, because on CPU, with more ranks than
+cores, a step is bound by CPU time summed over ranks rather than by any one rank's critical
+path: the process CPU time (every thread, gloo's included) of step and floor, per rank, and
+the process CPU time of the step's all-to-alls alone. Those are the ``all_to_all_single`` calls of
+the one-node expert-parallel path (not the all-gathers and reduce-scatters of a ``gather``
+layout), replayed at the sizes and in the order that one step issued them, between the same
+barriers, with no expert math around them. When every core is busy, ``exchanges / floor`` is
+what they add to ``step / floor`` however well they overlap.
+
 ``--free-exchanges`` is a diagnostic for the parallel layouts: the one-node expert-parallel
 path's all-to-alls become local copies, as if every rank received exactly the rows it sent.
 The outputs are wrong, but the work is that of a symmetric exchange, so the ratio shows what
@@ -193,6 +202,23 @@ class _LocalExchanges:
         return _Done()
 
 
+class _RecordedExchanges:
+    """``torch.distributed`` that records every ``all_to_all_single`` it passes on: buffers of
+    the same shapes and dtypes, the split sizes and the group, to replay them alone.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+    def all_to_all_single(self, output, input, out_splits=None, in_splits=None, group=None, **kw):
+        sizes = [None if splits is None else list(splits) for splits in (out_splits, in_splits)]
+        self.calls.append((torch.empty_like(output), torch.zeros_like(input), *sizes, group))
+        return dist.all_to_all_single(output, input, out_splits, in_splits, group=group, **kw)
+
+
 def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     from dtensor_moe.moe.experts import local_expert_weight
     from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
@@ -217,32 +243,50 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
     w1, w2, w3 = (local_expert_weight(w).detach().requires_grad_() for w in (ex.w1, ex.w2, ex.w3))
     path = resolve_compute_path(args.path, routed_RD, w1, counts_e.tolist())
     grad_RD = torch.randn_like(routed_RD)
-    if args.free_exchanges:
-        import dtensor_moe.parallel.dispatch as dispatch_module
-
-        dispatch_module.dist = _LocalExchanges()
+    import dtensor_moe.parallel.dispatch as dispatch_module
 
     def step() -> None:
         y = moe(x)
         (y.to_local() if hasattr(y, "to_local") else y).backward(grad_y)
 
+    recorder = _RecordedExchanges()
+    dispatch_module.dist = recorder
+    try:
+        step()
+    finally:
+        dispatch_module.dist = dist
+    if args.free_exchanges:
+        dispatch_module.dist = _LocalExchanges()
+
+    def exchanges() -> None:
+        for out, inp, out_splits, in_splits, group in recorder.calls:
+            dist.all_to_all_single(
+                out, inp, out_splits, in_splits, group=group, async_op=True
+            ).wait()
+
     def floor() -> None:
         grouped_swiglu(routed_RD, w1, w2, w3, counts_e, path).backward(grad_RD)
 
-    def synced(fn: Callable[[], None]) -> float:
+    def synced(fn: Callable[[], None]) -> tuple[float, float]:
+        """Slowest rank's wall time, and process CPU time (all threads) averaged over ranks."""
         for t in (x, routed_RD, w1, w2, w3, *moe.parameters()):
             t.grad = None  # as after optimizer.zero_grad(): no accumulation in either
         dist.barrier()
-        elapsed = torch.tensor([_timed(fn)])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed)
+        cpu = time.process_time()
+        wall = _timed(fn)
+        cpu = torch.tensor([time.process_time() - cpu])
+        wall = torch.tensor([wall])
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        dist.all_reduce(cpu)
+        return float(wall), float(cpu) / layout.world
 
     for _ in range(args.warmup):
-        synced(step), synced(floor)
-    steps, floors = [], []
+        synced(step), synced(floor), synced(exchanges)
+    steps, floors, alone = [], [], []
     for _ in range(args.repeats):
         steps.append(synced(step))
         floors.append(synced(floor))
+        alone.append(synced(exchanges))
     rows = torch.tensor([routed_RD.shape[0]])
     all_rows = [torch.zeros_like(rows) for _ in range(layout.world)]
     dist.all_gather(all_rows, rows)
@@ -251,9 +295,18 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
             {
                 "path": path,
                 "counts": [int(r) for r in all_rows],
-                "step_ms": 1e3 * statistics.median(steps),
-                "floor_ms": 1e3 * statistics.median(floors),
-                "ratio": statistics.median(s / f for s, f in zip(steps, floors)),
+                "step_ms": 1e3 * statistics.median(s for s, _ in steps),
+                "floor_ms": 1e3 * statistics.median(f for f, _ in floors),
+                "ratio": statistics.median(s / f for (s, _), (f, _) in zip(steps, floors)),
+                "cpu_step_ms": 1e3 * statistics.median(c for _, c in steps),
+                "cpu_floor_ms": 1e3 * statistics.median(c for _, c in floors),
+                "cpu_ratio": statistics.median(s / f for (_, s), (_, f) in zip(steps, floors)),
+                "exchanges": len(recorder.calls),
+                "exchanges_ms": 1e3 * statistics.median(w for w, _ in alone),
+                "cpu_exchanges_ms": 1e3 * statistics.median(c for _, c in alone),
+                "cpu_exchanges_share": statistics.median(
+                    e / f for (_, e), (_, f) in zip(alone, floors)
+                ),
             }
         )
     dist.destroy_process_group()
@@ -335,6 +388,20 @@ def main() -> None:
     print(f"floor (experts fwd+bwd, median): {result['floor_ms']:6.2f} ms")
     print(f"overhead (step - floor): {result['step_ms'] - result['floor_ms']:6.2f} ms")
     print(f"step / floor (median of per-repeat ratios): {result['ratio']:.3f}")
+    if "cpu_ratio" in result:
+        print(
+            f"process CPU per rank (all threads, mean over ranks, median): step "
+            f"{result['cpu_step_ms']:.2f} ms, floor {result['cpu_floor_ms']:.2f} ms, "
+            f"step / floor {result['cpu_ratio']:.3f}"
+        )
+        if result["exchanges"]:
+            print(
+                f"the one-node path's {result['exchanges']} all-to-alls replayed alone: wall "
+                f"{result['exchanges_ms']:.2f} ms, process CPU {result['cpu_exchanges_ms']:.2f} "
+                f"ms per rank = {result['cpu_exchanges_share']:.3f} of the floor's"
+            )
+        else:
+            print("no one-node expert-parallel exchange in this layout: nothing replayed")
 
 
 if __name__ == "__main__":

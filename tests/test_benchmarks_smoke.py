@@ -39,6 +39,10 @@ def test_moe_layer_benchmark_runs(layout):
     )
     assert f"layout={layout}" in out, out
     assert "step / floor (median of per-repeat ratios):" in out, out
+    if layout != "single":
+        assert "process CPU per rank (all threads, mean over ranks, median): step " in out, out
+        # ep2tp2 runs the one-node expert-parallel path: its five exchanges are replayed alone.
+        assert "the one-node path's 5 all-to-alls replayed alone: wall " in out, out
 
 
 def test_moe_layer_benchmark_free_exchanges_diagnostic_runs_and_is_labelled():

@@ -309,6 +309,7 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
                 ),
             }
         )
+    dist.barrier()  # every rank tears its gloo connections down together
     dist.destroy_process_group()
 
 

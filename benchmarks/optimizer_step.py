@@ -154,6 +154,7 @@ def _worker(rank: int, port: int, steps: int, repeats: int, modes: list[int]) ->
                         f"{res['bookkeeping_extra_ms']:.3f} ms",
                         flush=True,
                     )
+        dist.barrier()  # every rank tears its gloo connections down together
     finally:
         dist.destroy_process_group()
 

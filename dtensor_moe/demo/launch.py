@@ -13,6 +13,14 @@ Note [Demo launch]
 Either way each worker then runs :func:`run_rank`: the distributed run; then rank 0 reruns the
 same steps in one process (the parity reference) while rank 1 trains one process with load
 balancing switched the other way; rank 0 gathers both and reports.
+
+At the end, every rank waits at a barrier before destroying its process groups, as torch's own
+distributed test base does before its teardown. Without it, the other ranks leave as soon as
+their part of the final gather is done, while rank 0 is still reporting, and tear their gloo
+connections down under it. Once, under torchrun in CI, that run ended with one such rank
+aborting at teardown (SIGABRT, "terminate called without an active exception") after a
+correct run. The barrier costs one collective. On an error a rank skips it and destroys its
+groups at once; the launcher (torchrun, or ``torch.multiprocessing``) then stops the others.
 """
 
 from __future__ import annotations
@@ -124,7 +132,9 @@ def run_rank(config: DemoConfig, start: float) -> int:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     dist.init_process_group("gloo")
     try:
-        return _run(config, start)
+        code = _run(config, start)
+        dist.barrier()  # leave together: see Note [Demo launch]
+        return code
     finally:
         dist.destroy_process_group()
 

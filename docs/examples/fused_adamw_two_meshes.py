@@ -1,7 +1,7 @@
 """Step one fused AdamW over DTensor params that live on two different device meshes.
 
-Run:  python examples/fused_adamw_two_meshes.py          (launches 4 CPU/gloo processes)
-  or: torchrun --standalone --nproc-per-node 4 examples/fused_adamw_two_meshes.py
+Run:  python docs/examples/fused_adamw_two_meshes.py     (launches 4 CPU/gloo processes)
+  or: torchrun --standalone --nproc-per-node 4 docs/examples/fused_adamw_two_meshes.py
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def _worker(rank: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         main()
+        dist.barrier()  # every rank tears its gloo connections down together
     finally:
         dist.destroy_process_group()
 
@@ -66,6 +67,7 @@ if __name__ == "__main__":
     if "RANK" in os.environ:  # under torchrun
         dist.init_process_group("gloo")
         main()
+        dist.barrier()
         dist.destroy_process_group()
     else:
         import socket

@@ -187,14 +187,20 @@ class _Done:
         pass
 
 
-class _LocalExchanges:
-    """``torch.distributed`` with ``all_to_all_single`` replaced by a local copy: see
-    ``--free-exchanges``. Every rank then "receives" exactly the rows it sent, so the counts
-    agree and the step does the work of a perfectly symmetric exchange, without the exchange.
+class _DistProxy:
+    """``torch.distributed`` as the dispatch module sees it, but for ``all_to_all_single``,
+    which a subclass replaces (the benchmark sets it as ``dispatch.dist``).
     """
 
     def __getattr__(self, name: str):
         return getattr(dist, name)
+
+
+class _LocalExchanges(_DistProxy):
+    """``all_to_all_single`` replaced by a local copy: see ``--free-exchanges``. Every rank then
+    "receives" exactly the rows it sent, so the counts agree and the step does the work of a
+    perfectly symmetric exchange, without the exchange.
+    """
 
     @staticmethod
     def all_to_all_single(output, input, *args, **kwargs) -> _Done:  # noqa: A002
@@ -202,16 +208,13 @@ class _LocalExchanges:
         return _Done()
 
 
-class _RecordedExchanges:
-    """``torch.distributed`` that records every ``all_to_all_single`` it passes on: buffers of
-    the same shapes and dtypes, the split sizes and the group, to replay them alone.
+class _RecordedExchanges(_DistProxy):
+    """Records every ``all_to_all_single`` it passes on to ``torch.distributed``: buffers of the
+    same shapes and dtypes, the split sizes and the group, to replay them alone.
     """
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
-
-    def __getattr__(self, name: str):
-        return getattr(dist, name)
 
     def all_to_all_single(self, output, input, out_splits=None, in_splits=None, group=None, **kw):
         sizes = [None if splits is None else list(splits) for splits in (out_splits, in_splits)]

@@ -58,10 +58,14 @@ def schema_of(op: torch._ops.OpOverload) -> torch._C.FunctionSchema:
 
 
 def clear_sharding_prop_cache() -> None:
-    """Drop the Python and C++ sharding-propagation caches after changing a rule or handler."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    """Drop the Python and C++ sharding-propagation caches after changing a rule or handler.
 
-    _clear_sharding_prop_cache()
+    The same two calls as ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` (torch
+    2.13), made directly: importing ``torch.distributed.tensor.debug`` imports numpy (through its
+    sharding visualizer), which is not a dependency of torch or of dtensor_moe.
+    """
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def spec_of(t: DTensor) -> DTensorSpec:

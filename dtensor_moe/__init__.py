@@ -5,8 +5,9 @@ SGD, Adagrad; in-place, out-of-place, ``tensor_lr`` and ``.out`` overloads) and 
 ``torch.amp.GradScaler`` agree on skip-or-step across meshes. See ``docs/optimizers.md``.
 """
 
+from dtensor_moe import _compat
 from dtensor_moe.moe import MoE, MoEConfig
-from dtensor_moe.optim import clip_grad_norm_, register_strategies
+from dtensor_moe.optim import clip_grad_norm_, fast_step, register_strategies
 from dtensor_moe.parallel import (
     ExpertParallel,
     ExpertTensorParallel,
@@ -15,6 +16,7 @@ from dtensor_moe.parallel import (
     build_moe_meshes,
     fully_shard_moe,
     parallelize_moe,
+    token_parallel,
 )
 
 __all__ = [
@@ -25,10 +27,43 @@ __all__ = [
     "MoEMeshes",
     "PrepareMoEInput",
     "build_moe_meshes",
+    "clear_caches",
     "clip_grad_norm_",
     "fully_shard_moe",
     "parallelize_moe",
     "register_strategies",
 ]
+
+
+
+def clear_caches() -> None:
+    """Empty every cache of dtensor_moe. No collective; safe at any time and on any rank.
+
+    The caches only save work: each is rebuilt on the next call that needs it, with the same
+    results. None of them keeps a mesh, a process group, an optimizer or a tensor alive beyond
+    the objects it describes (each module's Note gives key, bound and lifetime), so calling this
+    is not needed to free them; it releases the little they hold at once. Emptied:
+
+    - ``dtensor_moe._compat._ALIGNED``: the aligned-slot verdicts of the fused optimizer
+      handlers (Note [Aligned-slot cache], ``_compat.clear_aligned_caches``);
+    - ``dtensor_moe._compat._GRAD_SPECS``: gradient specs of ``local_views`` per DTensor spec
+      (Note [Gradient-spec cache]);
+    - ``dtensor_moe.optim.fast_step._VERDICTS`` and ``_GROUP_KEYS``: whether an optimizer's
+      params qualify for the fast step, and their one (device, dtype) group
+      (Note [Fast-step caches], ``fast_step.clear_caches``);
+    - ``dtensor_moe.parallel.token_parallel._CHECKED``: dispatchers found compatible with a
+      token-parallel forward (Note [Checked dispatchers]).
+
+    Left alone: the memo of :func:`build_moe_meshes`, which holds its meshes weakly and must
+    keep returning a mesh that is still in use (Note [Mesh memo]); the GradScaler handler's
+    sequence counters, which are not a cache and must stay equal on every rank (Note [GradScaler
+    across meshes]); torch's own caches (sharding propagation, redistribute plans), which hold
+    the meshes of the specs they have seen.
+    """
+    _compat.clear_aligned_caches()
+    _compat._GRAD_SPECS.clear()
+    fast_step.clear_caches()
+    token_parallel._CHECKED.clear()
+
 
 register_strategies()

@@ -1,12 +1,40 @@
-"""The one module that touches private torch internals.
+"""The one module that touches private torch internals, bar the allowlist below.
 
-Every other module of dtensor_moe uses public API only. When a torch release moves one of the
-pieces below, this is the file to update. Each helper names the torch 2.13 internal it relies on.
+When a torch release moves one of the internals, this module (helpers and allowlist) is what to
+update. Each helper names the torch 2.13 internal it relies on.
+
+Note [Private torch names outside _compat]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every other module of dtensor_moe uses public torch API, except for the names listed here, each
+only in the module named on its line. A listed name also covers the names under it (a private
+module covers its functions). These are ops and functions that the code calls directly, with no
+public equivalent in torch 2.13; a helper here would only rename them.
+
+    dtensor_moe/moe/experts.py: torch._grouped_mm -- the grouped expert matmul
+    dtensor_moe/parallel/dispatch.py: torch._grouped_mm -- the same, in the one-node EP step
+    dtensor_moe/parallel/dispatch.py: torch.distributed._functional_collectives -- the
+        count/token all-to-alls of the plain EP path (all_to_all_single[_autograd], wait_tensor)
+    dtensor_moe/parallel/token_parallel.py: torch.distributed._functional_collectives -- the
+        all-reduce of the per-sequence router statistics
+    dtensor_moe/optim/clip.py: torch._foreach_norm -- as torch.nn.utils.clip_grad_norm_ uses it
+    dtensor_moe/optim/clip.py: torch._foreach_mul_ -- as torch.nn.utils.clip_grad_norm_ uses it
+    dtensor_moe/optim/fused.py: torch._ops.OpOverload -- the type of the aten overloads
+    dtensor_moe/optim/scaler.py: torch.ops.aten._amp_foreach_non_finite_check_and_unscale_ --
+        the GradScaler op whose DTensor handler scaler.py installs
+
+``tests/test_private_api.py`` parses the lines of the form ``<module>: <torch name>`` above and
+scans every module of the package with ``ast`` for torch names with a private segment
+(``torch._x``, ``from torch._x import y``, ``import torch.distributed._x``, ``DTensor._x`` after
+``from torch.distributed.tensor import DTensor``, ``getattr(torch, "_x")``, aliases such as
+``aten = torch.ops.aten``). A name that is not listed for its module fails the test, and so does
+a listed name that its module no longer uses. Names built at run time
+(``getattr(aten, name)`` over ``optim/fused.py``'s ``_fused_*`` op names, or
+``_compat.patch_torch_function("_fused_adam_", ...)``) are out of an ``ast`` scan's reach.
 """
 
 from __future__ import annotations
 
-import operator
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -28,9 +56,14 @@ __all__ = [
     "in_backward_pass",
     "local_tensor",
     "local_tensors",
-    "original_torch_function",
+    "GuardedCache",
+    "SpecList",
+    "clear_aligned_caches",
+    "optimizer_step_body_cell",
     "patch_optimizer_grouping",
     "patch_torch_function",
+    "unpatch_optimizer_grouping",
+    "unpatch_torch_function",
     "locals_if_aligned",
     "replace_dtensor_storage",
     "schema_of",
@@ -119,16 +152,26 @@ class _LocalViews(torch.autograd.Function):
         )
 
 
-# (spec identity, gradient placements) -> (spec, gradient spec); bounded like _ALIGNED.
-_GRAD_SPECS: dict[tuple[int, tuple], tuple[DTensorSpec, DTensorSpec]] = {}
+# Note [Gradient-spec cache]
+# ``local_views`` wraps each local gradient with a spec made of the DTensor's mesh and tensor
+# metadata and the gradient placements. A parameter keeps its spec object step after step, so
+# that gradient spec is built once per (spec, gradient placements) and remembered:
+#   key:      ``id(spec)`` -> (weak reference to the spec, {gradient placements: gradient spec})
+#   bound:    one entry per live spec that went through ``local_views``; a few placements each
+#   lifetime: the spec's: the weak reference's callback drops the entry when the spec dies.
+# A gradient spec holds the mesh and the tensor metadata, never the spec or a tensor, so the
+# cache keeps nothing alive that the DTensor would not. ``_GRAD_SPECS.clear()`` is safe at any
+# time (``dtensor_moe.clear_caches``).
+_GRAD_SPECS: dict[int, tuple[weakref.ref, dict[tuple, DTensorSpec]]] = {}
 
 
 def _grad_spec(t: DTensor, grad_placements: tuple) -> DTensorSpec | None:
     spec = t._spec
-    key = (id(spec), grad_placements)
-    hit = _GRAD_SPECS.get(key)
-    if hit is not None and hit[0] is spec:
-        return hit[1]
+    entry = _GRAD_SPECS.get(id(spec))
+    if entry is not None and entry[0]() is spec:
+        hit = entry[1].get(grad_placements)
+        if hit is not None:
+            return hit
     meta = spec.tensor_meta
     if not t._local_tensor.is_contiguous() or meta is None:
         return None
@@ -138,8 +181,22 @@ def _grad_spec(t: DTensor, grad_placements: tuple) -> DTensorSpec | None:
     if tuple(meta.stride) != contiguous_stride(meta.shape):
         return None
     grad_spec = DTensorSpec(spec.mesh, grad_placements, tensor_meta=meta)
-    bounded_put(_GRAD_SPECS, key, (spec, grad_spec), _ALIGNED_MAX)
+    if entry is None or entry[0]() is not spec:
+        entry = (weakref.ref(spec, _grad_spec_dropper(id(spec))), {})
+        _GRAD_SPECS[id(spec)] = entry
+    entry[1][grad_placements] = grad_spec
     return grad_spec
+
+
+def _grad_spec_dropper(key: int) -> Callable[[weakref.ref], None]:
+    """The callback that removes ``_GRAD_SPECS[key]`` when its spec dies (and no newer entry)."""
+
+    def drop(dead: weakref.ref) -> None:
+        entry = _GRAD_SPECS.get(key)
+        if entry is not None and entry[0] is dead:
+            del _GRAD_SPECS[key]
+
+    return drop
 
 
 def local_views(ts: tuple[DTensor, ...], grad_placements: tuple[tuple, ...]) -> tuple:
@@ -170,37 +227,118 @@ def replace_dtensor_storage(dst: DTensor, src: DTensor) -> None:
 # A fused optimizer step sees the same param/state DTensors step after step. Whether list
 # ``values`` is slot-by-slot aligned with ``params`` depends only on their DTensorSpecs (mesh,
 # placements and global shape/stride/dtype), which are immutable: a DTensor whose layout changes
-# gets a new spec object. So each (argument position, first param spec, length) remembers the
-# last spec tuples it found aligned; the next step compares the current specs with those by one
-# tuple ``==``: a C-level pass that succeeds on identity without calling ``DTensorSpec.__eq__``
-# (it calls it for a new but equal spec; equal specs describe the same layout, and a tuple of
-# new objects replaces the cached one so that later steps match on identity again). On a match
-# the per-slot checks are skipped. Lists of plain 0-dim tensors (``state_steps``) are remembered by
-# the identity of the tensors themselves. Local tensors are read afresh at every step, since
-# FSDP2 and others may swap a DTensor's local tensor in place. The passes are list
-# comprehensions over the ``_spec`` / ``_local_tensor`` slots, which CPython specializes: about
-# twice as fast as ``map(operator.attrgetter(...))``.
-_ALIGNED: dict[tuple, tuple] = {}
+# gets a new spec object. So each (argument, params) pair remembers the last spec list it found
+# aligned; the next step compares the current specs with it by one tuple ``==``: a C-level pass
+# that succeeds on identity without calling ``DTensorSpec.__eq__`` (it calls it for a new but
+# equal spec; equal specs describe the same layout, and a tuple of new objects replaces the
+# cached one so that later steps match on identity again). On a match the per-slot checks are
+# skipped. Lists of plain 0-dim tensors (``state_steps``) are remembered by the identity of the
+# tensors themselves. Local tensors are read afresh at every step, since FSDP2 and others may
+# swap a DTensor's local tensor in place. The passes are list comprehensions over the ``_spec`` /
+# ``_local_tensor`` slots, which CPython specializes: about twice as fast as
+# ``map(operator.attrgetter(...))``.
+#
+# Note [Caches hold no tensors]
+# Every entry of :data:`_ALIGNED` is a :class:`GuardedCache` entry: it holds weak references
+# (with a callback) to the tensors it was computed from and is dropped the moment any of them
+# dies. It never holds a tensor. It may hold DTensorSpecs (which hold a mesh, which holds its
+# process groups), but only specs of DTensors that are still alive, or the spec a live DTensor
+# had before it was re-laid out, until the next step over that list replaces the entry.
+#
+# _ALIGNED, two kinds of entry, both bounded at 256 entries together (emptied when full):
+#   key (op or "local-grouping", len, id(first spec)) -> the params' canonical SpecList;
+#     dropped when any param dies.
+#   key ((op, arg) or ("local-grouping", i), id(canonical SpecList), len) -> a weak reference to
+#     that SpecList and the specs found aligned with it, or the ids of plain 0-dim tensors
+#     (``state_steps``); dropped when any tensor of that list dies.
+#   ``clear_aligned_caches()`` empties it.
+#
+# ``_ORIGINAL_TORCH_FUNCTIONS`` and ``_ORIGINAL_GROUPING`` (below) hold torch's own functions:
+# immortal objects, at most five entries, kept for the life of the process so that
+# ``set_fast_paths(False)`` can put them back.
+
+
+class _Entry:
+    """One :class:`GuardedCache` entry: what the lookup compares, and the cached value."""
+
+    __slots__ = ("check", "value", "_guards", "__weakref__")
+
+    def __init__(self, check: object, value: object) -> None:
+        self.check = check
+        self.value = value
+        self._guards: list = []
+
+
+class GuardedCache:
+    """``key -> entry`` where each entry is dropped as soon as one of the objects it was
+    computed from is garbage-collected (Note [Caches hold no tensors]).
+
+    At most ``limit`` entries: a full cache is emptied before the next entry goes in (see
+    :func:`bounded_put`). The cache holds weak references only to the guarded objects.
+    """
+
+    __slots__ = ("_entries", "_limit")
+
+    def __init__(self, limit: int) -> None:
+        self._entries: dict[Hashable, _Entry] = {}
+        self._limit = limit
+
+    def get(self, key: Hashable) -> _Entry | None:
+        return self._entries.get(key)
+
+    def put(self, key: Hashable, check: object, value: object, guarded: Sequence) -> _Entry:
+        entry = _Entry(check, value)
+        entry_ref = weakref.ref(entry)
+        entries = self._entries
+
+        def drop(_dead: weakref.ref) -> None:
+            live = entry_ref()
+            if live is not None and entries.get(key) is live:
+                del entries[key]
+
+        entry._guards = [weakref.ref(obj, drop) for obj in guarded]
+        bounded_put(entries, key, entry, self._limit)
+        return entry
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class SpecList(list):
+    """The DTensorSpecs of a tensor list, in a container that can be referenced weakly (tuples
+    cannot). Never mutated once built."""
+
+
 _ALIGNED_MAX = 256
+_ALIGNED = GuardedCache(_ALIGNED_MAX)
 
 
-def dtensor_specs(values: list, canonical_key=None) -> tuple[DTensorSpec, ...] | None:
+def clear_aligned_caches() -> None:
+    """Empty the aligned-slot cache (Note [Aligned-slot cache]); the next step rebuilds it."""
+    _ALIGNED.clear()
+
+
+def dtensor_specs(values: list, canonical_key=None) -> SpecList | None:
     """The specs of ``values`` if every entry is a DTensor, else ``None``.
 
     With ``canonical_key``, a tuple equal (entry by entry) to the one returned last time for
-    that key is returned as the *same* tuple object, so later checks can compare it with ``is``.
+    that key and these tensors is returned as the *same* :class:`SpecList` object, so later
+    checks can compare it with ``is``.
     """
     try:
-        specs = tuple([v._spec for v in values])
+        specs = SpecList([v._spec for v in values])
     except AttributeError:
         return None
-    if canonical_key is None:
+    if canonical_key is None or not specs:
         return specs
-    key = ("canonical", canonical_key, len(specs))
+    key = (canonical_key, len(specs), id(specs[0]))
     cached = _ALIGNED.get(key)
-    if cached is not None and _same_specs(cached[0], specs):
-        return cached[0]
-    _remember(key, (specs,))
+    if cached is not None and _same_specs(cached.check, specs):
+        return cached.check
+    _ALIGNED.put(key, specs, None, values)
     return specs
 
 
@@ -225,8 +363,17 @@ def spec_dtype(spec: DTensorSpec) -> torch.dtype | None:
     return None if meta is None else meta.dtype
 
 
+def _spec_shape(spec: DTensorSpec) -> torch.Size | None:
+    meta = spec.tensor_meta
+    return None if meta is None else meta.shape
+
+
 def _specs_aligned(p_specs: tuple, v_specs: tuple) -> bool:
-    """Same mesh, placements and dtype, slot by slot (run on cache misses only)."""
+    """Same mesh, placements, global shape and dtype, slot by slot (run on cache misses only).
+
+    A slot that differs in anything (a state of another global shape included) leaves the list
+    to the careful per-slot path, which redistributes it or raises (Note [Per-slot rule]).
+    """
     for p, v in zip(p_specs, v_specs):
         if v is p:
             continue
@@ -234,17 +381,10 @@ def _specs_aligned(p_specs: tuple, v_specs: tuple) -> bool:
             (v.mesh is not p.mesh and v.mesh != p.mesh)
             or v.placements != p.placements
             or spec_dtype(v) != spec_dtype(p)
+            or _spec_shape(v) != _spec_shape(p)
         ):
             return False
     return True
-
-
-def _same_objects(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b))
-
-
-def _remember(key: tuple, entry: tuple) -> None:
-    bounded_put(_ALIGNED, key, entry, _ALIGNED_MAX)
 
 
 def bounded_put(cache: dict, key: Hashable, value: object, limit: int) -> None:
@@ -266,18 +406,18 @@ _STEP_DTYPES = frozenset({torch.float32, torch.float64})
 
 def _plain_scalars_ok(key: tuple, values: list) -> bool:
     """Whether ``values`` are all plain 0-dim float32/float64 tensors, as ``torch.optim``'s
-    ``state_steps`` are (cached on the tensors' identities)."""
+    ``state_steps`` are (cached on the tensors' identities, held weakly)."""
     cached = _ALIGNED.get(key)
-    vals = tuple(values)
-    if cached is not None and _same_objects(cached[0], vals):
-        return True
+    ids = tuple(map(id, values))
+    if cached is not None and cached.check == ids:
+        return True  # every cached tensor is alive (else the entry is gone): same objects
     if (
-        not set(map(type, vals)) <= PLAIN_TENSOR_TYPES
-        or any(map(torch.Tensor.dim, vals))
-        or not {t.dtype for t in vals} <= _STEP_DTYPES
+        not set(map(type, values)) <= PLAIN_TENSOR_TYPES
+        or any(map(torch.Tensor.dim, values))
+        or not {t.dtype for t in values} <= _STEP_DTYPES
     ):
         return False
-    _remember(key, (vals,))
+    _ALIGNED.put(key, ids, None, values)
     return True
 
 
@@ -286,17 +426,16 @@ def locals_if_aligned(
 ) -> list[torch.Tensor] | None:
     """Local tensors of ``values`` if no slot needs redistribution or a careful check.
 
-    A list passes when every entry is a DTensor with its param's mesh, placements and dtype
-    (``p_specs`` are the params' specs from ``dtensor_specs(params, canonical_key=...)``,
-    ``None`` when some param is a plain tensor), or when every entry is a plain 0-dim float
-    tensor (torch.optim's ``state_steps``). Returns ``None`` (leaving ``specs_out``
-    untouched) when any slot needs the careful per-slot treatment. ``slot_key`` names the
-    argument (e.g. its schema position); see Note [Aligned-slot cache].
+    A list passes when every entry is a DTensor with its param's mesh, placements, global shape
+    and dtype (``p_specs`` are the params' specs from ``dtensor_specs(params,
+    canonical_key=...)``, ``None`` when some param is a plain tensor), or when every entry is a
+    plain 0-dim float tensor (torch.optim's ``state_steps``). Returns ``None`` (leaving
+    ``specs_out`` untouched) when any slot needs the careful per-slot treatment. ``slot_key``
+    names the argument (e.g. its schema position); see Note [Aligned-slot cache].
     """
-    first = id(p_specs[0]) if p_specs else None
-    key = (slot_key, first, len(values))
     v_specs = dtensor_specs(values)
     if v_specs is None:
+        key = (slot_key, "scalars", len(values), id(values[0]) if values else None)
         if not _plain_scalars_ok(key, values):
             return None
         if specs_out is not None:
@@ -304,11 +443,15 @@ def locals_if_aligned(
         return list(values)
     if p_specs is None:
         return None
+    key = (slot_key, id(p_specs), len(values))
     cached = _ALIGNED.get(key)
-    if cached is None or not (cached[0] is p_specs and _same_specs(cached[1], v_specs)):
-        if not _specs_aligned(p_specs, v_specs):
+    if cached is None or not (
+        cached.check[0]() is p_specs and _same_specs(cached.check[1], v_specs)
+    ):
+        if len(v_specs) != len(p_specs) or not _specs_aligned(p_specs, v_specs):
             return None
-        _remember(key, (p_specs, v_specs))
+        p_ref = weakref.ref(p_specs) if isinstance(p_specs, SpecList) else (lambda: None)
+        _ALIGNED.put(key, (p_ref, v_specs), None, values)
     if specs_out is not None:
         specs_out.extend(v_specs)
     return [v._local_tensor for v in values]
@@ -324,13 +467,9 @@ def device_has_foreach_support(device: torch.device) -> bool:
 _ORIGINAL_TORCH_FUNCTIONS: dict[str, Callable] = {}
 
 
-def original_torch_function(name: str) -> Callable:
-    """The ``torch.<name>`` that torch shipped, even after :func:`patch_torch_function`."""
-    return _ORIGINAL_TORCH_FUNCTIONS.get(name, getattr(torch, name))
-
-
 def patch_torch_function(name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
-    """Replace ``torch.<name>`` by ``make_wrapper(original)``, at most once (idempotent).
+    """Replace ``torch.<name>`` by ``make_wrapper(original)`` (idempotent: the wrapper always
+    wraps torch's own function, never an earlier wrapper).
 
     Used for the four in-place fused optimizer entry points that ``torch.optim`` looks up as
     ``torch._fused_adam_`` and friends at every step, so that DTensor args reach our handler
@@ -341,7 +480,16 @@ def patch_torch_function(name: str, make_wrapper: Callable[[Callable], Callable]
     setattr(torch, name, make_wrapper(_ORIGINAL_TORCH_FUNCTIONS[name]))
 
 
-_ORIGINAL_GROUPING: list[Callable] = []
+def unpatch_torch_function(name: str) -> None:
+    """Put torch's own ``torch.<name>`` back (the same object); a no-op if never patched."""
+    original = _ORIGINAL_TORCH_FUNCTIONS.get(name)
+    if original is not None:
+        setattr(torch, name, original)
+
+
+# Optimizer.__dict__ entry (the staticmethod object itself), saved at the first patch.
+_ORIGINAL_GROUPING: list = []
+_GROUPING_ATTR = "_group_tensors_by_device_and_dtype"
 
 
 def patch_optimizer_grouping(make_wrapper: Callable[[Callable], Callable]) -> None:
@@ -352,10 +500,38 @@ def patch_optimizer_grouping(make_wrapper: Callable[[Callable], Callable]) -> No
     See Note [Local grouping] in ``dtensor_moe/optim/fast_step.py``.
     """
     if not _ORIGINAL_GROUPING:
-        _ORIGINAL_GROUPING.append(torch.optim.Optimizer._group_tensors_by_device_and_dtype)
-    torch.optim.Optimizer._group_tensors_by_device_and_dtype = staticmethod(
-        make_wrapper(_ORIGINAL_GROUPING[0])
-    )
+        _ORIGINAL_GROUPING.append(torch.optim.Optimizer.__dict__[_GROUPING_ATTR])
+    original = _ORIGINAL_GROUPING[0].__func__
+    setattr(torch.optim.Optimizer, _GROUPING_ATTR, staticmethod(make_wrapper(original)))
+
+
+def unpatch_optimizer_grouping() -> None:
+    """Put torch's own staticmethod object back; a no-op if never patched."""
+    if _ORIGINAL_GROUPING:
+        setattr(torch.optim.Optimizer, _GROUPING_ATTR, _ORIGINAL_GROUPING[0])
+
+
+def optimizer_step_body_cell(optimizer_cls: type) -> Any | None:
+    """The closure cell that holds the body of ``optimizer_cls.step``, or ``None``.
+
+    torch 2.13 decorates ``Adam.step`` (which ``AdamW`` inherits), ``SGD.step`` and
+    ``Adagrad.step`` with ``torch.optim.optimizer._use_grad_for_differentiable``, whose inner
+    ``_use_grad`` sets grad mode, inserts the ``torch._dynamo.graph_break()`` calls that
+    ``torch.compile`` relies on, and calls the undecorated body through its free variable
+    ``func``. Setting that cell's ``cell_contents`` changes the body that every caller of
+    ``step`` runs, without replacing ``step`` itself (and so without disturbing torch's
+    profiling/hook wrapper, which is installed lazily around ``step``); see Note [Fast step].
+    ``None`` when ``step`` does not have that shape (another torch release).
+    """
+    fn = optimizer_cls.step
+    while getattr(getattr(fn, "__code__", None), "co_name", None) != "_use_grad":
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return None
+    free = fn.__code__.co_freevars
+    if "func" not in free or fn.__closure__ is None:
+        return None
+    return fn.__closure__[free.index("func")]
 
 
 def in_backward_pass() -> bool:

@@ -6,6 +6,8 @@ The layout uses three meshes on 4 ranks: a 1-D world mesh, the 2-D (dp, tp) mesh
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
@@ -81,3 +83,32 @@ def make_optimizer(cls_name: str, params, kwargs: dict, impl: str):
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True},
              "forloop": {"foreach": False}}[impl]
     return getattr(torch.optim, cls_name)(params, **kwargs, **flags)
+
+
+@contextlib.contextmanager
+def fast_paths(enabled: bool):
+    """Run a block with dtensor_moe's speed-only patches on or off (Note [Switchable fast
+    paths]), then put the previous setting back."""
+    from dtensor_moe.optim import fast_paths_enabled, set_fast_paths
+
+    before = fast_paths_enabled()
+    set_fast_paths(enabled)
+    try:
+        yield
+    finally:
+        set_fast_paths(before)
+
+
+def plain_copies(dtensors: list) -> list:
+    """Plain-tensor params holding clones of this rank's local shards (and of their grads).
+
+    Stepped with fast paths off, they give torch's own result on exactly the local data that the
+    DTensor step works on, without running any code of dtensor_moe.
+    """
+    out = []
+    for p in dtensors:
+        q = torch.nn.Parameter(p.to_local().detach().clone())
+        if p.grad is not None:
+            q.grad = p.grad.to_local().detach().clone()
+        out.append(q)
+    return out

@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from dtensor_moe.demo.config import LayoutError, build_parser, resolve_config
-from dtensor_moe.demo.report import PARITY_TOLERANCE
+from dtensor_moe.demo.report import PARITY_TOLERANCE, summarize, summary_lines
+from dtensor_moe.demo.train import StepRecord
 
 SMALL = ["--steps", "6", "--batch", "4", "--seq-len", "13", "--layers", "1", "--dim", "32"]
 METRICS_KEYS = {"config", "layout", "entropy_rate", "summary", "steps", "reference", "wall_time_s"}
@@ -37,7 +38,7 @@ def _check_metrics(out_dir: str, steps: int) -> dict:
     assert METRICS_KEYS <= metrics.keys()
     assert len(metrics["steps"]) == steps and STEP_KEYS <= metrics["steps"][0].keys()
     summary = metrics["summary"]
-    assert summary["routing_diverged_at"] is None, summary
+    assert summary["routing_diverged_at"] is None and summary["compared_steps"] == steps, summary
     assert summary["parity_ok"] and summary["max_loss_diff"] <= PARITY_TOLERANCE, summary
     assert summary["max_grad_norm_diff"] <= 1e-4, summary  # clip_grad_norm_ across meshes
     return metrics
@@ -122,3 +123,51 @@ def test_defaults():
     assert _resolve(["--ep", "1"]).expert_tp  # experts then split over tp by expert TP
     assert config.balance and config.model.moe.use_expert_bias
     assert isinstance(build_parser().parse_args([]), argparse.Namespace)
+
+
+def _records(losses: list[float], loads: list[float]) -> list[StepRecord]:
+    """One record per step; ``loads[i]`` is expert 0's share of step i's tokens (2 experts)."""
+    return [
+        StepRecord(
+            step=i + 1,
+            loss=loss,
+            grad_norm=0.5,
+            tokens_per_s=1.0,
+            imbalance=1.0,
+            expert_load=[[load, 1.0 - load]],
+        )
+        for i, (loss, load) in enumerate(zip(losses, loads, strict=True))
+    ]
+
+
+def _parity(ref_losses: list[float], ref_loads: list[float]):
+    """Summary and parity line of a 4-step run against a rerun with the given curves."""
+    config = _resolve(["--steps", "4", "--no-compare-balance"])
+    runs = {
+        "distributed": _records([4.0, 3.0, 2.0, 1.5], [0.5, 0.5, 0.25, 0.75]),
+        "reference": _records(ref_losses, ref_loads),
+    }
+    summary = summarize(runs, config, entropy_rate=1.4)
+    return summary, summary_lines(summary, config)[1]
+
+
+def test_parity_tolerance_is_tight():
+    # fp32 reruns differ by about 1e-6; a 2e-5 difference is a real discrepancy.
+    loads = [0.5, 0.5, 0.25, 0.75]
+    ok, line = _parity([4.0, 3.0 + 1e-6, 2.0, 1.5], loads)
+    assert ok.parity_ok and ok.compared_steps == 4 and "-> OK" in line, line
+    bad, line = _parity([4.0, 3.0, 2.0 + 2e-5, 1.5], loads)
+    assert not bad.parity_ok and bad.max_loss_diff == pytest.approx(2e-5), bad
+    assert "every token routed identically" in line and "(tolerance 1e-05) -> FAILED" in line
+
+
+def test_parity_fails_when_routing_diverges():
+    # Equal losses, but step 3 sent tokens to other experts: only 2 of 4 steps are comparable.
+    summary, line = _parity([4.0, 3.0, 2.0, 1.5], [0.5, 0.5, 0.5, 0.75])
+    assert (summary.routing_diverged_at, summary.compared_steps) == (3, 2), summary
+    assert not summary.parity_ok and summary.max_loss_diff == 0.0, summary
+    assert "routing differed at step 3" in line and "only 2 of the 4 steps" in line, line
+    assert line.count("-> FAILED") == 1 and "--seed" in line, line
+    first, line = _parity([4.0, 3.0, 2.0, 1.5], [0.25, 0.5, 0.25, 0.75])
+    assert first.compared_steps == 0 and not first.parity_ok, first
+    assert "only 0 of the 4 steps" in line and "nothing to compare -> FAILED" in line, line

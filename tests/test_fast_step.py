@@ -7,6 +7,7 @@ closures keep working. The aligned-slot cache (Note [Aligned-slot cache]) is che
 
 from __future__ import annotations
 
+import inspect
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -19,6 +20,7 @@ from dtensor_moe import _compat
 from dtensor_moe.optim import fast_step
 from dtensor_moe.optim.fast_step import FAST_STEP_CLASSES, fast_step_applies
 from tests._dist import DistTestBase
+from tests._optim_cases import fast_paths, plain_copies
 
 
 class RecordingTensor(torch.Tensor):
@@ -43,21 +45,20 @@ def _recording_init_group(opt, seen: list):
     opt._init_group = init_group
 
 
-def _torch_step(opt) -> None:
-    """torch's own ``step`` of ``opt``, without our wrapper (or torch's hook wrapper)."""
-    step = type(opt).step
-    while getattr(step, "_dtensor_moe_fast_step", False):
-        step = step.__wrapped__
-    step(opt)
-
-
 class FastStepInstallTest(TestCase):
-    def test_step_is_wrapped_once(self):
-        for cls in FAST_STEP_CLASSES:
-            self.assertTrue(getattr(cls.step, "_dtensor_moe_fast_step", False), cls)
-        before = {cls: cls.step for cls in FAST_STEP_CLASSES}
+    def test_step_body_is_wrapped_once(self):
+        bodies = {cls: _compat.optimizer_step_body_cell(cls).cell_contents
+                  for cls in FAST_STEP_CLASSES}
+        for cls, body in bodies.items():
+            self.assertTrue(getattr(body, "_dtensor_moe_fast_step", False), cls)
+            self.assertIs(body.__wrapped__, inspect.unwrap(cls.step))  # torch's body
+        steps = {cls: cls.step for cls in FAST_STEP_CLASSES}
         dtensor_moe.register_strategies()  # idempotent: no second wrapper
-        self.assertEqual(before, {cls: cls.step for cls in FAST_STEP_CLASSES})
+        self.assertEqual(
+            bodies,
+            {cls: _compat.optimizer_step_body_cell(cls).cell_contents for cls in FAST_STEP_CLASSES},
+        )
+        self.assertEqual(steps, {cls: cls.step for cls in FAST_STEP_CLASSES})
 
     def test_plain_params_take_torchs_step(self):
         p = torch.nn.Parameter(torch.randn(4, 4))
@@ -99,6 +100,9 @@ class FastStepDistTest(DistTestBase):
 
     @with_comms
     def test_fast_step_is_bit_identical_and_communication_free(self):
+        # Three runs of each optimizer: DTensor params with the fast paths on, the same with
+        # them off, and torch's own optimizer on plain copies of this rank's local shards with
+        # the fast paths off, which runs no code of dtensor_moe at all (the reference).
         for make in (
             lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True, amsgrad=True),
             lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.1), fused=True),
@@ -107,23 +111,29 @@ class FastStepDistTest(DistTestBase):
             lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, fused=True),
             lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
         ):
-            fast_params, slow_params = self._params(), self._params()
-            fast, slow = make(fast_params), make(slow_params)
-            self.assertTrue(fast_step_applies(fast))
-            seen: list[bool] = []
-            _recording_init_group(fast, seen)
-            with CommDebugMode() as comm:
+            results = {}
+            for enabled in (True, False):
+                with fast_paths(enabled):
+                    params = self._params()
+                    opt = make(params)
+                    self.assertEqual(fast_step_applies(opt), True)
+                    seen: list[bool] = []
+                    _recording_init_group(opt, seen)
+                    with CommDebugMode() as comm:
+                        for _ in range(3):
+                            opt.step()
+                    self.assertEqual(comm.get_total_counts(), 0)
+                    # the fast region was entered exactly when the fast paths are on
+                    self.assertEqual(seen, [not enabled] * 3)
+                    results[enabled] = [p.to_local() for p in params]
+            with fast_paths(False):
+                ref_params = plain_copies(self._params())
+                ref = make(ref_params)
                 for _ in range(3):
-                    fast.step()
-            self.assertEqual(comm.get_total_counts(), 0)
-            self.assertEqual(seen, [False] * 3)  # the fast region really was entered
-            slow_seen: list[bool] = []
-            _recording_init_group(slow, slow_seen)
-            for _ in range(3):
-                _torch_step(slow)
-            self.assertEqual(slow_seen, [True] * 3)
-            for a, b in zip(fast_params, slow_params):
-                self.assertEqual(a.to_local(), b.to_local(), atol=0, rtol=0)
+                    ref.step()
+            for a, b, r in zip(results[True], results[False], ref_params):
+                self.assertEqual(a, r.detach(), atol=0, rtol=0)
+                self.assertEqual(b, r.detach(), atol=0, rtol=0)
 
     @with_comms
     def test_fused_kernel_gets_local_tensors_in_a_fast_step(self):
@@ -179,6 +189,22 @@ class FastStepDistTest(DistTestBase):
                 bad = [g.to(dtype) if i == 1 else g for i, g in enumerate(grads)]
                 got = grouping([params, bad, states, [], steps])
                 self.assertIs(next(iter(got.values()))[0][1][1], bad[1])
+            # Local tensors on two devices under one mesh (FSDP2's CPUOffloadPolicy on some
+            # modules keeps their shards on the CPU while others sit on the GPU; here the
+            # second device is 'meta'): one group per device, as torch's grouping makes them.
+            mixed = [DTensor.from_local(torch.empty(7, 6, device="meta"), p.device_mesh,
+                                        p.placements, shape=p.shape, stride=p.stride())
+                     if i % 2 else p for i, p in enumerate(params)]
+            mixed_lists = [mixed, [torch.zeros_like(p) for p in mixed]]
+            got = grouping(mixed_lists, with_indices=True)
+            want = torchs([[_compat.local_tensor(t) for t in ts] for ts in mixed_lists], True)
+            self.assertEqual(sorted(str(k) for k in got), ["(device(type='cpu'), torch.float32)",
+                                                          "(device(type='meta'), torch.float32)"])
+            self.assertEqual(list(got), list(want))
+            for key in want:
+                self.assertEqual(got[key][1], want[key][1])
+                for got_list, want_list in zip(got[key][0], want[key][0]):
+                    self.assertTrue(all(map(lambda a, b: a is b, got_list, want_list)))
         finally:
             fast_step._STATE.local_grouping = False
         # Outside a fused fast step, torch's grouping is used unchanged (on the DTensors).

@@ -6,12 +6,16 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
 import dtensor_moe
-from dtensor_moe.parallel import build_moe_meshes
+from dtensor_moe import MoE, MoEConfig
+from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
 from dtensor_moe.parallel.fsdp import expert_shard_dim, fully_shard_moe
 from tests._dist import DistTestBase
 from tests._moe_layouts import PARITY_LAYOUTS, build_layout, local_rows
@@ -221,12 +225,53 @@ class FSDPMoETest(DistTestBase):
         other = make_model()
         with self.assertRaisesRegex(ValueError, "strict submodule of the model; got TinyMoELM"):
             fully_shard_moe(make_model(), meshes, blocks=[other])
-        with self.assertRaisesRegex(ValueError, r"shard on dim 1, which needs hidden_dim \(30\)"):
+        with self.assertRaisesRegex(
+            ValueError, r"layers\.0\.moe\.experts\.w1 has local shape \(2, 30, 16\).*size 30"
+        ):
             fully_shard_moe(make_model(num_experts=2, hidden_dim=30), meshes)
         model = make_model()
         fully_shard_moe(model, meshes)
         with self.assertRaisesRegex(ValueError, "already sharded with fully_shard"):
             fully_shard_moe(model, meshes)
+
+    def _assert_untouched(self, model):
+        """The check ran before the first fully_shard call: nothing was sharded."""
+        self.assertFalse(any(isinstance(m, FSDPModule) for m in model.modules()))
+
+    @with_comms
+    def test_expert_dim1_checks_every_weights_local_size(self):
+        """FSDP2 shards dim 1 only evenly, and splits the local shard: w2 is (E, D, H), so its
+        dim 1 is D, and under expert TP w1's dim 1 is hidden_dim // etp. Both are checked
+        before any fully_shard call (no collective), with the weight, its size and edp named."""
+        # D=30 over dp=4: 2 experts < edp=4, so dim 1; hidden_dim=32 divides, w2's D=30 not.
+        meshes = build_moe_meshes(dp=4, ep=1)
+        model = nn.ModuleDict({"moe": MoE(MoEConfig(dim=30, hidden_dim=32, num_experts=2,
+                                                    top_k=1))})
+        with CommDebugMode() as comm, self.assertRaisesRegex(
+            ValueError,
+            r"fully_shard_moe: 2 experts over ep=1 leave 2 per rank, which does not split over "
+            r"the edp=4 .* on dim 1.*moe\.experts\.w2 has local shape \(2, 30, 32\) \(global "
+            r"\(2, 30, 32\)\), whose dim 1 has size 30, not divisible by edp=4\. Fix: make "
+            r"num_experts // ep a multiple of edp .* or choose dim and hidden_dim // etp",
+        ):
+            fully_shard_moe(model, meshes)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self._assert_untouched(model)
+        # Expert TP2 (ep=1, edp=2), 3 experts: hidden_dim=18 divides by edp=2, but each etp
+        # rank holds 9 hidden rows of w1, and FSDP2 splits those.
+        meshes = build_moe_meshes(dp=2, ep=1, tp=2, expert_tp=True)
+        model = make_model(num_experts=3, top_k=1, hidden_dim=18)
+        parallelize_moe(model, meshes, sequence_parallel=False)
+        with CommDebugMode() as comm, self.assertRaisesRegex(
+            ValueError,
+            r"layers\.0\.moe\.experts\.w1 has local shape \(3, 9, 16\) \(global "
+            r"\(3, 18, 16\)\), whose dim 1 has size 9, not divisible by edp=2.*"
+            r"hidden_dim // etp \(etp=2\)",
+        ):
+            fully_shard_moe(model, meshes)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self._assert_untouched(model)
+        dist.barrier()  # every rank raised at the same point: the group is still in step
 
     @with_comms
     def test_expert_shard_dim_for_small_expert_counts(self):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import pytest
 import torch
 
@@ -50,13 +51,10 @@ def test_argument_positions_found_by_name(name):
     layout = fused_op_layout(op)
     lists = list(_LISTS[packet]) + (["out"] if overload.endswith("out") else [])
     assert [n for n, _, _ in layout.list_args] == lists
-    for expected_pos, arg in enumerate(_LISTS[packet]):
-        assert layout.position(arg) == expected_pos
+    positions = {n: pos for n, pos, _ in layout.list_args}
+    assert [positions[arg] for arg in _LISTS[packet]] == list(range(len(_LISTS[packet])))
     if "state_steps" in lists:
-        assert layout.position("state_steps") == (3 if packet == "adagrad" else 5)
-    else:
-        with pytest.raises(KeyError, match="no tensor argument named 'state_steps'"):
-            layout.position("state_steps")
+        assert positions["state_steps"] == (3 if packet == "adagrad" else 5)
     assert [n for n, _, _ in layout.scalar_args] == _SCALARS[overload]
     assert all(kw_only for _, _, kw_only in layout.scalar_args)
     # `out` is keyword-only, everything else in the lists is positional
@@ -80,13 +78,74 @@ def test_registration_is_idempotent():
     assert handlers[scaler_op] is found_inf_handler
 
 
+_ENTRY_NAMES = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
+
+
+def _step_body(cls):
+    """What ``cls.step`` runs inside torch's ``_use_grad`` wrapper (Note [Fast step])."""
+    return _compat.optimizer_step_body_cell(cls).cell_contents
+
+
 def test_fast_entries_wrap_torch_functions_once():
-    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
-        entry = getattr(torch, name)
-        assert entry.__wrapped__ is _compat.original_torch_function(name)
+    for name in _ENTRY_NAMES:
+        torchs = getattr(torch._C._VariableFunctions, name)
+        assert getattr(torch, name).__wrapped__ is torchs
         dtensor_moe.register_strategies()
         # re-registering wraps the original again, never the wrapper
-        assert getattr(torch, name).__wrapped__ is _compat.original_torch_function(name)
+        assert getattr(torch, name).__wrapped__ is torchs
+
+
+def test_set_fast_paths_restores_torchs_objects_and_back():
+    from dtensor_moe.optim import fast_paths_enabled, set_fast_paths
+    from dtensor_moe.optim.fast_step import FAST_STEP_CLASSES
+
+    grouping = "_group_tensors_by_device_and_dtype"
+    steps = {cls: cls.step for cls in FAST_STEP_CLASSES}
+    handlers = dict(_compat.custom_op_handlers())
+    assert fast_paths_enabled()
+    assert all(getattr(_step_body(cls), "_dtensor_moe_fast_step", False) for cls in steps)
+    set_fast_paths(False)
+    try:
+        assert not fast_paths_enabled()
+        for name in _ENTRY_NAMES:
+            assert getattr(torch, name) is getattr(torch._C._VariableFunctions, name)
+        original = torch.optim.Optimizer.__dict__[grouping]
+        assert type(original) is staticmethod
+        assert original.__func__.__module__ == "torch.optim.optimizer"
+        assert not hasattr(original.__func__, "__wrapped__")
+        for cls in FAST_STEP_CLASSES:
+            assert cls.step is steps[cls]  # never replaced, in either mode
+            assert _step_body(cls) is inspect.unwrap(cls.step)  # torch's undecorated body
+        dtensor_moe.register_strategies()  # keeps them off
+        assert torch._fused_adam_ is torch._C._VariableFunctions._fused_adam_
+        assert dict(_compat.custom_op_handlers()) == handlers  # the correctness handlers stay
+        set_fast_paths(False)  # idempotent
+        assert torch.optim.Optimizer.__dict__[grouping] is original
+    finally:
+        set_fast_paths(True)
+    assert torch.optim.Optimizer.__dict__[grouping] is not original
+    assert torch.optim.Optimizer.__dict__[grouping].__func__.__wrapped__ is original.__func__
+    assert all(getattr(_step_body(cls), "_dtensor_moe_fast_step", False) for cls in steps)
+    with pytest.raises(TypeError, match=r"set_fast_paths expects True or False, got 'no'"):
+        set_fast_paths("no")
+
+
+def test_step_hooks_survive_switching_after_torch_wrapped_step():
+    # torch wraps Adam.step in its hook wrapper at the first optimizer of the class; switching
+    # the fast paths off and on must neither lose nor double the hooks.
+    from dtensor_moe.optim import set_fast_paths
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = torch.optim.Adam([p], lr=0.1)
+    calls = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    for enabled in (False, True):
+        set_fast_paths(enabled)
+        opt.step()
+    assert calls == ["pre", "post"] * 2
+    assert getattr(torch.optim.Adam.step, "hooked", False)
 
 
 def test_fast_entry_passes_plain_tensors_to_torch():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -15,6 +17,7 @@ from tests._optim_cases import (
     OPTIM_CASES,
     build_meshes,
     distribute,
+    fast_paths,
     full_grads,
     full_params,
     make_optimizer,
@@ -30,43 +33,59 @@ def _comm_counts(mode: CommDebugMode) -> dict:
 
 
 class FusedOptimizerAcrossMeshesTest(DistTestBase):
-    def _run_steps(self, cls_name, kwargs, impl, meshes):
-        """Step a DTensor model and a single-device reference; return the max abs error."""
-        ref = [p.requires_grad_() for p in full_params()]
+    def _reference(self, cls_name, kwargs, impl) -> list:
+        """torch alone on the full tensors: plain params, fast paths off (no code of ours)."""
+        with fast_paths(False):
+            ref = [p.requires_grad_() for p in full_params()]
+            opt_ref = make_optimizer(cls_name, ref, kwargs, impl)
+            for step in range(STEPS):
+                for p, g in zip(ref, full_grads(step)):
+                    p.grad = g
+                opt_ref.step()
+        return ref
+
+    def _run_steps(self, cls_name, kwargs, impl, meshes) -> list:
+        """Step DTensor params (in the current fast-paths mode); return their local shards."""
         dt = [p.detach().requires_grad_() for p in distribute(full_params(), meshes)]
-        opt_ref = make_optimizer(cls_name, ref, kwargs, "fused" if impl == "fused" else impl)
         opt_dt = make_optimizer(cls_name, dt, kwargs, impl)
         for step in range(STEPS):
-            grads = full_grads(step)
-            for p, g in zip(ref, grads):
-                p.grad = g.clone()
-            for p, g in zip(dt, distribute(grads, meshes)):
+            for p, g in zip(dt, distribute(full_grads(step), meshes)):
                 p.grad = g
-            opt_ref.step()
             opt_dt.step()
-        return max((d.full_tensor() - r).abs().max().item() for d, r in zip(dt, ref))
+        return dt
 
     @with_comms
     def test_every_optimizer_matches_single_device(self):
+        # Every case runs with the speed-only patches on and off (Note [Switchable fast paths]):
+        # the two must agree bit for bit, and both with torch alone on the full tensors.
         meshes = build_meshes(self.device_type)
         for label, cls_name, kwargs in OPTIM_CASES:
             for impl in ("fused", "foreach", "forloop"):
-                err = self._run_steps(cls_name, kwargs, impl, meshes)
+                ref = self._reference(cls_name, kwargs, impl)
+                runs = {}
+                for enabled in (True, False):
+                    with fast_paths(enabled):
+                        runs[enabled] = self._run_steps(cls_name, kwargs, impl, meshes)
+                for on, off in zip(runs[True], runs[False]):
+                    self.assertEqual(on.to_local(), off.to_local(), atol=0, rtol=0,
+                                     msg=f"{label} ({impl}): fast paths on vs off")
+                err = max((d.full_tensor() - r).abs().max().item()
+                          for d, r in zip(runs[True], ref))
                 self.assertLessEqual(err, TOL, f"{label} ({impl}): max abs error {err}")
 
     @with_comms
     def test_fused_step_issues_no_collective(self):
         meshes = build_meshes(self.device_type)
         counts = {}
-        for label, cls_name, kwargs in OPTIM_CASES:
+        for (label, cls_name, kwargs), enabled in itertools.product(OPTIM_CASES, (True, False)):
             params = [p.requires_grad_() for p in distribute(full_params(), meshes)]
             opt = make_optimizer(cls_name, params, kwargs, "fused")
             for step in range(2):  # the first step creates state, the second reuses it
                 for p, g in zip(params, distribute(full_grads(step), meshes)):
                     p.grad = g
-                with CommDebugMode() as mode:
+                with fast_paths(enabled), CommDebugMode() as mode:
                     opt.step()
-                counts[f"{label}/step{step}"] = mode.get_total_counts()
+                counts[f"{label}/step{step}/fast={enabled}"] = mode.get_total_counts()
         self.assertEqual(set(counts.values()), {0}, counts)
         self.assertExpectedInline(str(sum(counts.values())), """0""")
 

@@ -82,8 +82,12 @@ class BuildMoEMeshesTest(DistTestBase):
                     mine = next(g for g in groups if self.rank in g)
                     self.assertEqual(_my_group(mesh, dim), mine, f"{kwargs} {dim} rank {self.rank}")
             self.assertEqual(meshes.edp * meshes.ep * meshes.etp, self.world_size, kwargs)
-            again = build_moe_meshes(**kwargs, device_type=self.device_type)
-            self.assertIs(again, meshes, f"{kwargs}: Note [One mesh per layout]")
+        # a second call returns the same (live) meshes; one case suffices, since the memo is
+        # keyed by the arguments and each lookup runs gc.collect() (Note [Mesh memo])
+        again = build_moe_meshes(**kwargs, device_type=self.device_type)
+        self.assertEqual(again, meshes, kwargs)
+        self.assertIs(again.dense, meshes.dense, f"{kwargs}: Note [One mesh per layout]")
+        self.assertIs(again.expert, meshes.expert, f"{kwargs}: Note [One mesh per layout]")
         for kwargs, pattern in ERRORS:
             with self.assertRaisesRegex((ValueError, TypeError), pattern, msg=str(kwargs)):
                 build_moe_meshes(**kwargs, device_type=self.device_type)

@@ -29,8 +29,21 @@ from dtensor_moe import (
     build_moe_meshes,
     parallelize_moe,
 )
+from dtensor_moe.moe import TokenDispatcher
+from dtensor_moe.parallel import AllToAllTokenDispatcher
 from tests._dist import DistTestBase
-from tests.test_parallel_moe import LAYOUTS, Case, D, E, H, close, full, make_config
+from tests.test_parallel_moe import (
+    LAYOUTS,
+    Case,
+    D,
+    E,
+    H,
+    as_param_grad,
+    close,
+    full,
+    make_config,
+    reduce_grad,
+)
 
 COUNT_CASE = Case(B=2, L=7, top_k=2, shared=1)
 
@@ -276,47 +289,74 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
                 lambda: parallelize_module(sp_moe, tp, PrepareMoEInput()),
                 r"this MoE already has a parallel forward",
             ),
+            (
+                "a Shard(1) input whose shards are not DTensor's split (from_local with shape)",
+                lambda: sp_moe(_misplit_sequence_shards(x, tp)),
+                (
+                    r"PrepareMoEInput: the Shard\(1\) input of global shape \(2, 5, 16\) holds a "
+                    r"local shard of shape \(2, [23], 16\) on tp rank [01], but DTensor's split "
+                    r"of L=5 over tp=2 gives it \(2, [23], 16\) \(lengths \[3, 2\]\); build the "
+                    r"input with distribute_tensor or redistribute"
+                ),
+            ),
         ]
         for what, fn, pattern in cases:
             with CommDebugMode() as comm, self.assertRaisesRegex(ValueError, pattern, msg=what):
                 fn()
             self.assertEqual(comm.get_total_counts(), 0, f"{what}: a collective ran")
+        # combine with metadata from another dispatcher: TypeError before the exchange
+        x_TD = torch.randn(3, D)
+        ids_TK = torch.tensor([[0, 1], [2, 3], [4, 5]])
+        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
+        routed_RD, _, plain_meta = TokenDispatcher(num_experts=E).dispatch(
+            x_TD, torch.ones(3, 2), ids_TK, counts_E
+        )
+        ep_dispatcher = AllToAllTokenDispatcher(num_experts=E, mesh=meshes.expert["ep"])
+        with CommDebugMode() as comm, self.assertRaisesRegex(
+            TypeError,
+            r"AllToAllTokenDispatcher.combine needs the AllToAllMetadata that this dispatcher's "
+            r"dispatch returned, got DispatchMetadata; pass the metadata of the matching",
+        ):
+            ep_dispatcher.combine(routed_RD, plain_meta)
+        self.assertEqual(comm.get_total_counts(), 0, "combine: a collective ran")
 
     @with_comms
     def test_checkpoint_and_two_forwards_before_backward(self):
-        """No per-forward state: recompute under torch.utils.checkpoint and two micro-batches in
-        flight give the same outputs, input and param grads and router counters as plain
-        runs, one micro-batch at a time."""
+        """No per-forward state: two micro-batches run one after the other, recomputed under
+        torch.utils.checkpoint, or both in flight before one backward, each give the
+        single-device layer's outputs, input grads, param grads (reduced as documented) and
+        router counters, at 1e-5 (fp32)."""
         case = Case(B=2, L=7, top_k=2, shared=1)
         for name in ("sp2ep2", "tp2ep2", "ep2tp2", "ep4"):
             base, meshes, layout = _build(name, case)
-            torch.manual_seed(1 + self.rank // meshes.tp)
-            xs = [torch.randn(case.B, case.L, D) for _ in range(2)]
-
-            def run(model, mode, meshes=meshes, layout=layout, xs=xs):
-                inputs = [_input(meshes, layout, x) for x in xs]
-                if mode == "in flight":
-                    ys = [model(x) for x in inputs]
-                    sum(_local_loss(y) for y in ys).backward()
-                else:
-                    for x in inputs:
-                        y = (
-                            checkpoint(model, x, use_reentrant=False)
-                            if mode == "ckpt"
-                            else model(x)
-                        )
-                        _local_loss(y).backward()
-                return [full(y) for y in ys] if mode == "in flight" else None, inputs
-
-            ref = copy.deepcopy(base)
-            run(ref, "plain")
-            for mode in ("ckpt", "in flight"):
+            torch.manual_seed(0)
+            ref = MoE(make_config(case))  # the weights _build parallelized
+            gen = torch.Generator().manual_seed(1)
+            shape = (meshes.dp * case.B, case.L, D)  # the global batch: dp shards of B sequences
+            batches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+                       for _ in range(2)]
+            dp_i = self.rank // meshes.tp
+            shard = slice(dp_i * case.B, (dp_i + 1) * case.B)
+            expected = []
+            for X, G in batches:
+                x_ref = X.clone().requires_grad_()
+                y_ref = ref(x_ref)
+                (y_ref * G).sum().div(meshes.dp).backward()
+                expected.append((y_ref.detach()[shard], x_ref.grad[shard]))
+            for mode in ("plain", "ckpt", "in flight"):
                 model = copy.deepcopy(base)
-                run(model, mode)
-                for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-                    close(full(p.grad), full(q.grad), f"{name} {mode}: {n}.grad")
-                self.assertTrue(
-                    torch.equal(model.router.tokens_per_expert, ref.router.tokens_per_expert),
+                ys, xs = _micro_batches(model, mode, meshes, layout, batches, shard)
+                for i, (y, x) in enumerate(zip(ys, xs)):
+                    close(full(y), expected[i][0], f"{name} {mode}: output {i}")
+                    close(full(x.grad) / meshes.dp, expected[i][1], f"{name} {mode}: x.grad {i}")
+                ref_params = dict(ref.named_parameters())
+                for n, p in model.named_parameters():
+                    grad = as_param_grad(p, reduce_grad(n, p, meshes))
+                    close(full(grad), ref_params[n].grad, f"{name} {mode}: {n}.grad")
+                counts = model.router.tokens_per_expert.clone()
+                dist.all_reduce(counts)  # every token is counted on one rank of the world
+                self.assertEqual(
+                    counts.tolist(), ref.router.tokens_per_expert.tolist(),
                     f"{name} {mode}: router counter",
                 )
 
@@ -351,6 +391,46 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
         self.assertEqual(counts.tolist(), [sum(lengths), sum(lengths)] + [0] * (E - 2))
 
 
+def _micro_batches(model, mode, meshes, layout, batches, shard):
+    """Forward and backward of two micro-batches (this rank's part of each global ``(X, G)``):
+    ``"plain"`` one after the other, ``"ckpt"`` the same under ``torch.utils.checkpoint``,
+    ``"in flight"`` both forwards before one backward. Returns the outputs and the inputs."""
+    inputs, weights = [], []
+    for X, G in batches:
+        if meshes.tp == 1:
+            inputs.append(X[shard].clone().requires_grad_())
+            weights.append(G[shard])
+            continue
+        placement = [Shard(1) if layout.sequence_parallel else Replicate()]
+        tp_mesh = meshes.dense["tp"]
+        inputs.append(distribute_tensor(X[shard], tp_mesh, placement).requires_grad_())
+        weights.append(distribute_tensor(G[shard], tp_mesh, placement).to_local())
+
+    def loss(y, g):
+        return ((y.to_local() if isinstance(y, DTensor) else y) * g).sum()
+
+    if mode == "in flight":
+        ys = [model(x) for x in inputs]
+        sum(loss(y, g) for y, g in zip(ys, weights)).backward()
+        return ys, inputs
+    ys = []
+    for x, g in zip(inputs, weights):
+        y = checkpoint(model, x, use_reentrant=False) if mode == "ckpt" else model(x)
+        loss(y, g).backward()
+        ys.append(y)
+    return ys, inputs
+
+
+def _misplit_sequence_shards(x_BLD: torch.Tensor, tp_mesh) -> DTensor:
+    """A ``Shard(1)`` DTensor of ``x_BLD`` (L=5 over 2 ranks) whose shards hold 2 and 3 rows:
+    DTensor's split is 3 and 2, and ``from_local`` with an explicit shape does not check."""
+    rank = tp_mesh.get_local_rank()
+    local = x_BLD[:, :2] if rank == 0 else x_BLD[:, 2:]
+    return DTensor.from_local(
+        local.contiguous(), tp_mesh, [Shard(1)], shape=x_BLD.shape, stride=x_BLD.stride()
+    )
+
+
 def _mismatched_routing(cfg, meshes, routing):
     """An MoE whose PrepareMoEInput routing does not match its experts' style."""
     moe = MoE(cfg)
@@ -360,9 +440,6 @@ def _mismatched_routing(cfg, meshes, routing):
         parallelize_module(moe.experts, meshes.expert["ep"], ExpertParallel())
     return parallelize_module(moe, meshes.dense["tp"], PrepareMoEInput(routing=routing))
 
-
-if __name__ == "__main__":
-    run_tests()
 
 
 class PlanDictTest(DistTestBase):
@@ -390,3 +467,7 @@ class PlanDictTest(DistTestBase):
         self.assertEqual(grads_got.keys(), grads_ref.keys())
         for name, grad in grads_got.items():
             self.assertEqual(full(grad), full(grads_ref[name]), atol=0, rtol=0, msg=name)
+
+
+if __name__ == "__main__":
+    run_tests()

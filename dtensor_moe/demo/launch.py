@@ -176,10 +176,16 @@ def _run(config: DemoConfig, start: float) -> int:
     say("\n".join(summary_lines(summary, config)))
     say(
         f"wrote {', '.join(written)}"
-        + ("" if len(written) > 1 else " (pip install matplotlib for training.png)")
+        + ("" if len(written) > 1 else ' (pip install "dtensor_moe[plot]" for training.png)')
     )
     say(f"wall time {wall:.1f} s (from the start of main, after the imports)")
-    return 0 if summary.parity_ok else 1
+    if not summary.parity_ok:
+        print(
+            "python -m dtensor_moe.demo: parity FAILED (see the parity line above); exit code 1",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def _single_process_runs(config: DemoConfig, chain: MarkovChain, rank: int) -> dict:

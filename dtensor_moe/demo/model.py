@@ -26,7 +26,8 @@ expert, and from then on the two runs train different, equally valid models. Wit
 happen within a few dozen steps. The router gate is therefore initialised at the usual
 ``1/sqrt(dim)`` scale, which keeps score gaps far above fp32 rounding, so the distributed run
 and its single-process rerun route every token the same way. The demo checks that (it compares
-the per-expert token counts of every step) before it compares losses.
+the per-expert token counts of every step) before it compares losses, and fails when any step
+differs (Note [Demo parity] in ``report.py``).
 """
 
 # ruff: noqa: N803, N806, N812

@@ -16,9 +16,11 @@ Weight layout (``nn.Linear`` convention per expert, ``out x in``):
     and ``w2`` on dim 2.
 
 Note [Grouped experts on local weights]: :func:`grouped_swiglu` is a pure function of plain
-tensors. :class:`GroupedExperts` calls it from :meth:`GroupedExperts.compute`, the single place a
-parallel style wraps (for example with ``torch.distributed.tensor.experimental.local_map``) to
-turn ``Shard(0)`` DTensor weights into the local ``e`` experts.
+tensors. The expert math reads the weights only through :meth:`GroupedExperts.local_weights`:
+:meth:`GroupedExperts.compute` calls it and then :func:`grouped_swiglu`, and the expert-parallel
+fast path (Note [Overlapped all-to-all] in ``dtensor_moe/parallel/dispatch.py``) calls it once
+per forward. No parallel style wraps ``compute``; DTensor weights become their local ``e``
+experts inside ``local_weights`` (below).
 
 Note [Expert weights as DTensors]: a parallel style may turn ``w1``/``w2``/``w3`` into DTensors;
 :meth:`GroupedExperts.compute` then runs on their local shards (:func:`local_expert_weight`).

@@ -9,7 +9,7 @@ makes the per-param bookkeeping of a step over 200 small DTensors about twice as
 plain tensors. DTensor's and ``nn.Parameter``'s ``__torch_function__`` is torch's disabled
 implementation, so that lookup never changes what happens: it only costs time.
 
-``install_fast_step`` wraps the ``step`` of the four optimizer classes. When
+``install_fast_step`` wraps the *body* of ``step`` of the four optimizer classes. When
 
 * no closure is given (a closure runs the forward and backward, which may use any subclass),
 * nothing is being compiled, and
@@ -23,11 +23,21 @@ this and counts collectives. Any other step (plain tensors only, other subclasse
 calls torch's ``step`` unchanged. Whether the params qualify is decided again only when a
 group's param list changes (:func:`fast_step_applies`).
 
-The wrapper sits inside torch's own profiling wrapper (which runs the step hooks) when
-``dtensor_moe`` is imported before the first optimizer of a class is created, as usual. If an
-optimizer of that class existed before the import, step hooks registered on it run inside the
-fast region too; that only matters for hooks that rely on another subclass's
-``__torch_function__``.
+Where the wrapper sits. torch decorates each ``step`` with ``_use_grad_for_differentiable``,
+whose inner ``_use_grad`` sets grad mode, calls ``torch._dynamo.graph_break()`` and then calls the
+undecorated body held in its closure cell ``func``; torch's profiling wrapper (which runs the step
+hooks) is put around ``step`` lazily, when the first optimizer of a class is created. We replace
+neither: we put our wrapper into that closure cell (``_compat.optimizer_step_body_cell``), so
+
+* ``Adam.step`` & co. stay the very objects torch created, whatever the order of ``import
+  dtensor_moe`` and optimizer creation, and step hooks always run outside the fast region;
+* turning the fast paths off puts the original body back into the cell: exactly torch's ``step``
+  again, and torch's profiling wrapper around it is untouched;
+* under ``torch.compile`` our wrapper is called *after* torch's graph break, so dynamo inlines it
+  (it calls the body unchanged while compiling) and the step has the same graph breaks and
+  frames as without dtensor_moe. A wrapper around ``step`` itself is one more Python frame on
+  the stack at that graph break, which costs one more break and one more frame (measured:
+  3 breaks and 11 frames against 2 and 10 for an AdamW step; a test pins the counts).
 
 Note [Local grouping]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -39,10 +49,12 @@ each DTensor has its param's mesh, placements and dtype, ``state_steps`` are pla
 tensors), our wrapper of that grouping function returns the *local* tensors instead. The kernel
 then runs on plain tensors directly, exactly as the DTensor handler would have run it after
 unwrapping the same lists, and neither the grouping nor the handler pays per-DTensor costs.
-The specs also tell whether all params share one device type and dtype (checked once per spec
-tuple); then every slot is on that device with that dtype, which is all torch's grouping would
-establish, so the wrapper returns the one group itself instead of walking every tensor again.
-Otherwise torch's grouping buckets the local tensors. Any list that is not aligned (a slot to
+When the params' *local* tensors all sit on one device with one dtype (checked once per set of
+local tensors, :func:`single_group_key`; aligned lists have the params' dtypes), the wrapper
+returns that one group itself instead of walking every tensor again. The devices are those of
+the local tensors, not of the mesh: under FSDP2 with ``CPUOffloadPolicy`` on some modules, params
+of one CUDA mesh keep their local shards on the CPU, and those must form their own group, as
+torch's grouping makes them. Otherwise torch's grouping buckets the local tensors. Any list that is not aligned (a slot to
 redistribute, another mesh or dtype, a DTensor step counter) makes the wrapper return torch's
 grouping of the DTensors unchanged, so the handler validates, redistributes and writes back, or
 raises, as always. Outside a fused fast step the wrapper calls torch's function unchanged.
@@ -63,10 +75,12 @@ from dtensor_moe import _compat
 
 __all__ = [
     "FAST_STEP_CLASSES",
+    "clear_caches",
     "fast_step_applies",
     "install_fast_step",
     "local_lists_if_aligned",
     "single_group_key",
+    "uninstall_fast_step",
 ]
 
 FAST_STEP_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (
@@ -77,8 +91,28 @@ FAST_STEP_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (
 )
 _ALLOWED_PARAM_TYPES = _compat.PLAIN_TENSOR_TYPES | {DTensor}
 _MARK = "_dtensor_moe_fast_step"
-# optimizer -> (the params of each group when last checked, the verdict); see fast_step_applies.
+
+# Note [Fast-step caches]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# ============  =================================  ==============================================
+# cache         key -> value                       bound and lifetime
+# ============  =================================  ==============================================
+# _VERDICTS     optimizer (weakly) -> (its groups'  one entry per live optimizer, dropped with the
+#               params when checked, verdict)      optimizer; holds params the optimizer holds
+# _GROUP_KEYS   (len, id(first local param)) ->    64 entries (emptied when full); an entry is
+#               (device, dtype) or None, checked   dropped as soon as one of its local tensors
+#               on the ids of all local params     dies (weak references; Note [Caches hold no
+#                                                  tensors] in _compat.py)
+# ============  =================================  ==============================================
+# ``clear_caches()`` empties both.
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GROUP_KEYS = _compat.GuardedCache(64)
+
+
+def clear_caches() -> None:
+    """Empty the fast-step caches (Note [Fast-step caches]); the next step rebuilds them."""
+    _VERDICTS.clear()
+    _GROUP_KEYS.clear()
 
 
 def _same_params(cached: tuple, groups: list) -> bool:
@@ -129,27 +163,29 @@ class _StepState(threading.local):
 _STATE = _StepState()
 
 
-def _wrap_step(step):
-    @functools.wraps(step)
+def _wrap_body(body):
+    """The fast version of an optimizer's undecorated ``step`` body (Note [Fast step])."""
+
+    @functools.wraps(body)
     def fast_step(self, closure=None):
         if closure is None and not torch.compiler.is_compiling() and fast_step_applies(self):
             outer = _STATE.local_grouping
             _STATE.local_grouping = all(g.get("fused") for g in self.param_groups)
             try:
                 with _compat.subclass_torch_function_disabled():
-                    return step(self)
+                    return body(self)
             finally:
                 _STATE.local_grouping = outer
-        return step(self, closure)
+        return body(self, closure)
 
-    setattr(fast_step, _MARK, True)  # functools.wraps copies it onto torch's profiling wrapper
+    setattr(fast_step, _MARK, True)
     return fast_step
 
 
 def local_lists_if_aligned(tensorlistlist: list) -> tuple[tuple, list] | None:
     """The params' specs and the local tensors of every list, if all lists are aligned with
-    the params (the first list): same mesh, placements and dtype slot by slot, and plain 0-dim
-    float ``state_steps``.
+    the params (the first list): same mesh, placements, global shape and dtype slot by slot,
+    and plain 0-dim float ``state_steps``.
 
     ``None`` when any list needs the careful per-slot treatment of the DTensor handler; see
     Note [Local grouping]. Empty lists and all-``None`` lists (SGD without momentum) pass as
@@ -179,38 +215,37 @@ def local_lists_if_aligned(tensorlistlist: list) -> tuple[tuple, list] | None:
     return p_specs, out
 
 
-# id(canonical param specs) -> (those specs, their one (device, dtype) group key or None)
-_GROUP_KEYS: dict[int, tuple] = {}
-_GROUP_KEYS_MAX = 64
+def single_group_key(local_params: list[torch.Tensor]) -> tuple | None:
+    """``(device, dtype)`` when every local param tensor sits on one device with one dtype,
+    else ``None`` (Note [Local grouping]).
 
-
-def single_group_key(p_specs: tuple, first_local: torch.Tensor) -> tuple | None:
-    """``(device, dtype)`` when every param lives on one device type with one dtype, else None.
-
-    Read from the params' specs, once per canonical spec tuple (Note [Local grouping]); the
-    device is that of the first param's local tensor, as torch's grouping would report it.
-    (DTensors of one device type on a rank hold their local tensors on that rank's device;
-    locals made on several devices of one type by hand would need torch's grouping.)
+    Read from the local tensors themselves, once per set of local tensors: the verdict is kept
+    while the same tensor objects come back (compared by ``id``; the entry is dropped as soon as
+    one of them dies, so an ``id`` cannot be reused by another tensor while it is kept).
     """
-    cached = _GROUP_KEYS.get(id(p_specs))
-    if cached is not None and cached[0] is p_specs:
-        return cached[1]
-    dtypes = {_compat.spec_dtype(s) for s in p_specs}
-    device_types = {s.mesh.device_type for s in p_specs}
-    key = None
-    if len(dtypes) == 1 and len(device_types) == 1 and first_local.dtype in dtypes:
-        key = (first_local.device, first_local.dtype)
-    _compat.bounded_put(_GROUP_KEYS, id(p_specs), (p_specs, key), _GROUP_KEYS_MAX)
-    return key
+    ids = tuple(map(id, local_params))
+    key = (len(ids), ids[0])
+    cached = _GROUP_KEYS.get(key)
+    if cached is not None and cached.check == ids:
+        return cached.value
+    pairs = {(t.device, t.dtype) for t in local_params}
+    value = next(iter(pairs)) if len(pairs) == 1 else None
+    _GROUP_KEYS.put(key, ids, value, local_params)
+    return value
 
 
 def _make_local_grouping(original):
     def group_tensors_by_device_and_dtype(tensorlistlist, with_indices=False):
-        if _STATE.local_grouping and tensorlistlist and tensorlistlist[0]:
+        if (
+            not torch.compiler.is_compiling()
+            and _STATE.local_grouping
+            and tensorlistlist
+            and tensorlistlist[0]
+        ):
             aligned = local_lists_if_aligned(tensorlistlist)
             if aligned is not None:
-                p_specs, local = aligned
-                key = single_group_key(p_specs, local[0][0])
+                _, local = aligned
+                key = single_group_key(local[0])
                 if key is None:
                     return original(local, with_indices)
                 indices = list(range(len(local[0]))) if with_indices else []
@@ -224,10 +259,36 @@ def _make_local_grouping(original):
     return group_tensors_by_device_and_dtype
 
 
+# (closure cell, torch's original body) for each distinct ``step`` of FAST_STEP_CLASSES.
+_BODIES: list[tuple] = []
+
+
+def _body_cells() -> list[tuple]:
+    if not _BODIES:
+        seen: set[int] = set()
+        for cls in FAST_STEP_CLASSES:
+            cell = _compat.optimizer_step_body_cell(cls)
+            if cell is None or id(cell) in seen:
+                continue  # AdamW inherits Adam.step; another torch release may differ
+            seen.add(id(cell))
+            body = cell.cell_contents
+            while getattr(body, _MARK, False):  # a wrapper left by an earlier copy of us
+                body = body.__wrapped__
+            _BODIES.append((cell, body))
+    return _BODIES
+
+
 def install_fast_step() -> None:
-    """Wrap the ``step`` of :data:`FAST_STEP_CLASSES` and torch.optim's tensor grouping
+    """Wrap the body of ``step`` of :data:`FAST_STEP_CLASSES` and torch.optim's tensor grouping
     (idempotent); see Note [Fast step] and Note [Local grouping]."""
-    for cls in FAST_STEP_CLASSES:
-        if not getattr(cls.step, _MARK, False):
-            cls.step = _wrap_step(cls.step)
+    for cell, body in _body_cells():
+        if cell.cell_contents is body:
+            cell.cell_contents = _wrap_body(body)
     _compat.patch_optimizer_grouping(_make_local_grouping)
+
+
+def uninstall_fast_step() -> None:
+    """Put torch's own ``step`` bodies and grouping function back (the same objects)."""
+    for cell, body in _BODIES:
+        cell.cell_contents = body
+    _compat.unpatch_optimizer_grouping()

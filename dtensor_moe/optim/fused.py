@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,14 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from dtensor_moe import _compat
 
-__all__ = ["FUSED_OPS", "FusedOpLayout", "fused_op_layout", "register_strategies"]
+__all__ = [
+    "FUSED_OPS",
+    "FusedOpLayout",
+    "fast_paths_enabled",
+    "fused_op_layout",
+    "register_strategies",
+    "set_fast_paths",
+]
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -86,17 +94,15 @@ class FusedOpLayout:
     scalar_args: tuple[tuple[str, int, bool], ...]
     num_result_lists: int
 
-    def position(self, name: str) -> int:
-        """Schema position of argument ``name`` (a ``KeyError`` if the op has none)."""
-        for arg_name, pos, _ in self.list_args + self.scalar_args:
-            if arg_name == name:
-                return pos
-        raise KeyError(f"{self.op} has no tensor argument named {name!r}")
-
 
 @functools.cache
 def fused_op_layout(op: torch._ops.OpOverload) -> FusedOpLayout:
-    """Build (once per overload) the :class:`FusedOpLayout` of ``op`` from ``op._schema``."""
+    """Build (once per overload) the :class:`FusedOpLayout` of ``op`` from ``op._schema``.
+
+    Cached for the life of the process: keyed by the overload (``OpOverload`` objects are
+    immortal), at most one entry per overload of :data:`FUSED_OPS` (24), and the layouts hold
+    nothing but the op and argument names and positions.
+    """
     list_args, scalar_args = [], []
     schema = _compat.schema_of(op)
     for pos, arg in enumerate(schema.arguments):
@@ -167,6 +173,11 @@ def _slot_target(op, arg: str, slot: int, param, value) -> tuple | None:
     if not isinstance(value, DTensor):
         if p_is_dt and value.dim() != 0:
             raise _slot_error(op, arg, slot, param, value, "mixes DTensor and torch.Tensor")
+        if not p_is_dt and value.dim() != 0 and value.shape != param.shape:
+            raise _slot_error(
+                op, arg, slot, param, value,
+                f"its shape {tuple(value.shape)} differs from the param's {tuple(param.shape)}",
+            )
         return None
     if not p_is_dt:
         raise _slot_error(op, arg, slot, param, value, "mixes torch.Tensor and DTensor")
@@ -341,10 +352,10 @@ def _make_fast_entry(name: str):
     def make(original):
         def fused_entry(*args, **kwargs):
             if (
-                not args
+                torch.compiler.is_compiling()  # first: dynamo then traces nothing else here
+                or not args
                 or torch.is_grad_enabled()
                 or not _has_dtensor(args[0])
-                or torch.compiler.is_compiling()
             ):
                 return original(*args, **kwargs)
             op = packet.tensor_lr if isinstance(kwargs.get("lr"), torch.Tensor) else packet.default
@@ -358,7 +369,77 @@ def _make_fast_entry(name: str):
     return make
 
 
+# Note [Switchable fast paths]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The import makes two kinds of global change (listed in docs/optimizers.md):
+#
+# * correctness: DTensor's custom-op handler for every fused optimizer overload (Note [Per-slot
+#   rule]) and for GradScaler's inf check (Note [GradScaler across meshes]). Without them, fused
+#   optimizers fail or silently disagree across meshes; they are always installed.
+# * speed only: the fast entry (Note [Fused fast entry]), the fast step body and the local
+#   grouping (Note [Fast step], Note [Local grouping]). Results are bit-identical with and
+#   without them (tests run both ways). ``DTENSOR_MOE_FAST_PATHS=0`` in the environment at
+#   import leaves them out; :func:`set_fast_paths` installs or removes them at run time, and
+#   removing puts torch's own objects back (``torch._fused_adam_ is`` torch's function again).
+_FAST_PATHS_ENV = "DTENSOR_MOE_FAST_PATHS"
+_ENV_OFF = ("0", "false", "off", "no")
+_ENV_ON = ("", "1", "true", "on", "yes")
+
+
+def _fast_paths_from_env() -> bool:
+    raw = os.environ.get(_FAST_PATHS_ENV, "")
+    value = raw.strip().lower()
+    if value not in _ENV_OFF + _ENV_ON:
+        raise ValueError(
+            f"{_FAST_PATHS_ENV}={raw!r} is not understood; set it to 0 to leave dtensor_moe's "
+            "speed-only patches out, or to 1 (or leave it unset) to install them."
+        )
+    return value in _ENV_ON
+
+
+_FAST_PATHS = _fast_paths_from_env()
 _REGISTERED = False
+
+
+def fast_paths_enabled() -> bool:
+    """Whether dtensor_moe's speed-only patches are installed (Note [Switchable fast paths])."""
+    return _FAST_PATHS
+
+
+def set_fast_paths(enabled: bool) -> None:
+    """Install (``True``) or remove (``False``) the speed-only patches, at run time.
+
+    Removing them restores the very objects torch shipped: ``torch._fused_adam_``,
+    ``torch._fused_adamw_``, ``torch._fused_sgd_``, ``torch._fused_adagrad_``,
+    ``torch.optim.Optimizer._group_tensors_by_device_and_dtype`` and the body of ``step`` of
+    Adam/AdamW, SGD and Adagrad. The DTensor handlers (needed for correctness) stay. Results are
+    bit-identical either way; only the per-step overhead over DTensor params changes. Call it
+    between steps, not from inside one. See Note [Switchable fast paths].
+    """
+    global _FAST_PATHS
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_fast_paths expects True or False, got {enabled!r}")
+    _FAST_PATHS = enabled
+    if enabled:
+        _install_fast_paths()
+    else:
+        _uninstall_fast_paths()
+
+
+def _install_fast_paths() -> None:
+    from dtensor_moe.optim.fast_step import install_fast_step
+
+    for name in _FAST_ENTRY_NAMES:
+        _compat.patch_torch_function(name, _make_fast_entry(name))
+    install_fast_step()
+
+
+def _uninstall_fast_paths() -> None:
+    from dtensor_moe.optim.fast_step import uninstall_fast_step
+
+    for name in _FAST_ENTRY_NAMES:
+        _compat.unpatch_torch_function(name)
+    uninstall_fast_step()
 
 
 def register_strategies() -> None:
@@ -366,13 +447,13 @@ def register_strategies() -> None:
 
     Called when ``dtensor_moe`` is imported. Replaces torch's own rules for the fused Adam and
     AdamW overloads (logged at INFO) and adds the missing SGD, Adagrad and ``.out`` ones, plus
-    the GradScaler inf-check handler of :mod:`dtensor_moe.optim.scaler`, and wraps the four
-    in-place ``torch._fused_*_`` entry points (see Note [Fused fast entry]) and the ``step`` of
-    Adam, AdamW, SGD and Adagrad (see Note [Fast step] in ``fast_step.py``). Clears DTensor's
+    the GradScaler inf-check handler of :mod:`dtensor_moe.optim.scaler`. Unless the fast paths
+    are off (Note [Switchable fast paths]), also wraps the four in-place ``torch._fused_*_``
+    entry points (Note [Fused fast entry]), the body of ``step`` of Adam, AdamW, SGD and Adagrad
+    and torch.optim's tensor grouping (Note [Fast step] in ``fast_step.py``). Clears DTensor's
     sharding-propagation cache so the change takes effect at once.
     """
     global _REGISTERED
-    from dtensor_moe.optim.fast_step import install_fast_step
     from dtensor_moe.optim.scaler import register_found_inf_handler
 
     handlers = _compat.custom_op_handlers()
@@ -380,14 +461,14 @@ def register_strategies() -> None:
     for op in FUSED_OPS:
         handlers[op] = fused_optimizer_handler
     register_found_inf_handler()
-    for name in _FAST_ENTRY_NAMES:
-        _compat.patch_torch_function(name, _make_fast_entry(name))
-    install_fast_step()
+    if _FAST_PATHS:
+        _install_fast_paths()
     if not _REGISTERED:
         logger.info(
             "dtensor_moe: installed DTensor handlers for %d fused optimizer overloads "
             "(replacing custom handlers of %s; torch's sharding rules for fused Adam/AdamW "
-            "are bypassed)", len(FUSED_OPS), [str(op) for op in replaced] or "none",
+            "are bypassed); speed-only patches %s", len(FUSED_OPS),
+            [str(op) for op in replaced] or "none", "on" if _FAST_PATHS else "off",
         )
     _REGISTERED = True
     _compat.clear_sharding_prop_cache()

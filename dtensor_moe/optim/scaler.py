@@ -3,27 +3,59 @@
 Note [GradScaler across meshes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``torch.amp.GradScaler`` checks grads for inf/nan with
-``aten._amp_foreach_non_finite_check_and_unscale_``, once per (device, dtype) group, and feeds
-the resulting ``found_inf`` to the fused optimizer, which skips the step when it is non-zero.
-torch 2.13's DTensor handler for that op reduces ``found_inf`` over the mesh of the *first* grad
-only. When grads live on several meshes, an inf that appears on a rank outside that mesh's
-group is missed by the others: ranks disagree, some step and some skip, and the replicas drift
-apart silently.
+``aten._amp_foreach_non_finite_check_and_unscale_``, once per (device, dtype) group of an
+optimizer's grads, and feeds the resulting ``found_inf`` to the optimizer, which skips the step
+when it is non-zero; ``update()`` then halves the scale. torch 2.13's DTensor handler for that op
+reduces ``found_inf`` over the mesh of the *first* grad only. When grads live on several meshes,
+an inf that appears on a rank outside that mesh's group is missed by the others: ranks disagree,
+some step and some skip, and the replicas drift apart silently.
 
-Our handler runs the check on every grad's local tensor, then max-reduces ``found_inf`` over all
-ranks that hold any of the grads:
+Our handler runs the check on every grad's local tensor, then max-reduces ``found_inf`` with
+exactly **one all-reduce over the default process group per handler call**, whatever the meshes.
+The collective never depends on what a rank holds, so every rank knows it before communicating.
+(A choice made from the meshes a rank sees cannot be agreed on without communicating: two
+pipeline stages see different meshes, each picked a different sequence of groups, and the ranks
+either hung or decided per stage.)
 
-* when those meshes together cover the whole default process group (the usual SPMD case), one
-  all-reduce(max) over the default group;
-* otherwise (for example one pipeline stage's meshes), an all-reduce(max) over every dimension
-  of every mesh, repeated once per mesh so that the maximum crosses overlapping meshes.
+The contract, per step:
+
+* **Every rank of the default group calls** ``scaler.unscale_(opt)`` **or** ``scaler.step(opt)``
+  **for the same optimizers, in the same order** (``step`` runs the check itself unless
+  ``unscale_`` ran first). SPMD training (FSDP2, TP, EP: every rank builds the same optimizer)
+  and pipeline schedules with one optimizer and one GradScaler per rank, every rank stepping
+  once per step, do this.
+* **On every rank, each such optimizer has grads that are DTensors, in the same dtypes.**
+  torch calls the check once per (device, dtype) group and DTensor sees only groups holding a
+  DTensor, so the number of all-reduces per ``unscale_`` is the number of dtypes among a rank's
+  DTensor grads (usually one). Plain-tensor grads may sit beside DTensor grads of their dtype.
+  The order of the dtypes does not matter: every all-reduce reduces the same ``found_inf`` (one
+  per device), so after the last one every rank holds the maximum over all ranks.
+
+So an inf anywhere makes every rank of the default group skip the step and halve its scale.
+
+Not supported (these break the contract): a rank whose optimizer has no DTensor grad in a step
+(for example a pipeline stage of plain tensors, or one whose grads are all ``None``), a rank that
+skips ``unscale_``/``step``, and dtype sets that differ between ranks. No rank can see that
+before communicating. What can be caught cheaply is caught: each all-reduce carries this rank's
+``unscale_`` count and the index of the dtype group within it, as ``(n, -n)`` pairs reduced with
+max, so every rank learns the largest and the smallest count from the same all-reduce. When
+they differ, every rank that took part raises the same ``ValueError`` instead of drifting
+apart. This works when the mismatched all-reduces meet each other; if a rank first waits in
+another collective (a pipeline send, an FSDP all-gather), the job hangs until the process
+group's timeout. The counts belong to the default group: a new default group starts them at 0.
+Reading them back is free on CPU; on an accelerator the check is skipped, to keep the step free
+of host syncs (the all-reduce is the same).
+
+Nothing here is cached: the handler keeps no mesh, group or tensor alive (the counters keep
+weak references to the default group and to the current ``found_inf``).
 
 The handler is installed by ``import dtensor_moe`` (see ``register_strategies``).
 """
 
 from __future__ import annotations
 
-import functools
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,51 +68,76 @@ __all__ = ["found_inf_handler", "register_found_inf_handler"]
 _OP = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
-@functools.cache
-def _mesh_ranks(mesh) -> frozenset[int]:
-    return frozenset(mesh.mesh.flatten().tolist())
+@dataclass(slots=True)
+class _Sequence:
+    """Where this rank is in the sequence of inf-check all-reduces (Note [GradScaler across
+    meshes]): ``unscale`` counts the ``found_inf`` tensors seen (one per ``unscale_`` and device),
+    ``group`` the checks since the current one appeared. Weak references only."""
+
+    world: weakref.ref | None = None
+    found_inf: weakref.ref | None = None
+    unscale: int = 0
+    group: int = 0
+
+    def advance(self, found_inf: torch.Tensor, world: dist.ProcessGroup) -> tuple[int, int]:
+        if self.world is None or self.world() is not world:
+            self.world, self.found_inf, self.unscale, self.group = weakref.ref(world), None, 0, 0
+        if self.found_inf is None or self.found_inf() is not found_inf:
+            self.found_inf, self.unscale, self.group = weakref.ref(found_inf), self.unscale + 1, 0
+        self.group += 1
+        return self.unscale, self.group
 
 
-def _distinct_meshes(grads: list) -> list:
-    meshes = []
-    for g in grads:
-        if isinstance(g, DTensor):
-            mesh = g.device_mesh
-            if not any(mesh is m or mesh == m for m in meshes):
-                meshes.append(mesh)
-    return meshes
+_SEQUENCE = _Sequence()
 
 
-def _reduce_found_inf(found_inf: torch.Tensor, meshes: list) -> None:
-    """Max-reduce ``found_inf`` in place so every rank holding one of ``meshes`` agrees."""
-    ranks = frozenset().union(*(_mesh_ranks(m) for m in meshes))
-    if len(ranks) == dist.get_world_size():
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+def _reduce_found_inf(found_inf: torch.Tensor) -> None:
+    """Max-reduce ``found_inf`` in place over the default group, with the sequence check."""
+    world = dist.group.WORLD
+    unscale, group = _SEQUENCE.advance(found_inf, world)
+    counts = torch.tensor([unscale, -unscale, group, -group], dtype=torch.float64)
+    payload = torch.cat([found_inf.detach().reshape(1).double(), counts.to(found_inf.device)])
+    dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=world)
+    found_inf.copy_(payload[0])
+    if payload.device.type == "cpu":
+        _check_sequence(payload.tolist()[1:], unscale, group)
+
+
+def _check_sequence(reduced: list[float], unscale: int, group: int) -> None:
+    most_u, least_u, most_g, least_g = reduced[0], -reduced[1], reduced[2], -reduced[3]
+    if most_u == least_u and most_g == least_g:
         return
-    for _ in range(len(meshes)):
-        for mesh in meshes:
-            if mesh.get_coordinate() is None:
-                continue
-            for dim in range(mesh.ndim):
-                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    raise ValueError(
+        "GradScaler: the ranks of the default process group are out of step in the inf check: "
+        f"this rank is at unscale_ call {unscale}, dtype group {group}; across the ranks the "
+        f"unscale_ call ranges over {least_u:.0f}..{most_u:.0f} and the dtype group over "
+        f"{least_g:.0f}..{most_g:.0f}. Every rank must call scaler.unscale_/step for the same "
+        "optimizers each step, each with DTensor grads in the same dtypes (see Note [GradScaler "
+        "across meshes] in dtensor_moe/optim/scaler.py)"
+    )
 
 
 def found_inf_handler(op, args: tuple, kwargs: dict) -> None:
     """DTensor handler for ``_amp_foreach_non_finite_check_and_unscale_`` over mixed meshes.
 
-    Communication: one all-reduce(max) of ``found_inf`` (see Note [GradScaler across meshes]).
+    Communication: one all-reduce(max) of ``found_inf`` (and four sequence counters) over the
+    default process group; none when the default group has one rank. See Note [GradScaler
+    across meshes] for what every rank must do.
+
+    Raises:
+        TypeError: ``found_inf`` or ``inv_scale`` is a DTensor (before any collective).
+        ValueError: the ranks are out of step (see the Note), on every rank of the all-reduce.
     """
     grads, found_inf, inv_scale = args
-    local_grads = [_compat.local_tensor(g) if isinstance(g, DTensor) else g for g in grads]
     if isinstance(found_inf, DTensor) or isinstance(inv_scale, DTensor):
         raise TypeError(
             "GradScaler's found_inf and inv_scale must be plain tensors, got "
             f"{type(found_inf).__name__} and {type(inv_scale).__name__}."
         )
+    local_grads = [_compat.local_tensor(g) if isinstance(g, DTensor) else g for g in grads]
     op(local_grads, found_inf, inv_scale, **kwargs)
-    meshes = _distinct_meshes(grads)
-    if meshes:
-        _reduce_found_inf(found_inf, meshes)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        _reduce_found_inf(found_inf)
 
 
 def register_found_inf_handler() -> None:

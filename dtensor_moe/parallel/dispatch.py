@@ -542,7 +542,12 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         if self.mesh is None:
             y_TD = super().combine(out_RD, metadata)
         else:
-            assert isinstance(metadata, AllToAllMetadata), f"got {type(metadata).__name__}"
+            if not isinstance(metadata, AllToAllMetadata):  # before the exchange, every rank
+                raise TypeError(
+                    f"AllToAllTokenDispatcher.combine needs the AllToAllMetadata that this "
+                    f"dispatcher's dispatch returned, got {type(metadata).__name__}; pass the "
+                    "metadata of the matching dispatch call (not that of another dispatcher)"
+                )
             received_MD = unpermute_and_reduce(out_RD, metadata.received_row_M1, None)
             returned_ND = funcol.all_to_all_single_autograd(
                 received_MD,

@@ -24,9 +24,14 @@ when ``edp == 1``: FSDP2 then runs no collective and divides once, but with a fo
 divides a second time (torch 2.13). ``tests/test_fsdp_moe.py`` keeps tests for both torch
 behaviours.
 
-Small expert counts. When ``edp`` exceeds the number of experts each rank holds after EP, a
-``Shard(0)`` on the expert dim would leave FSDP ranks without a whole expert; the expert
-weights then shard on dim 1 (the hidden dim of ``w1``/``w3``, the model dim of ``w2``).
+Small expert counts. When the ``num_experts // ep`` experts each rank holds after EP do not
+split evenly over ``edp``, a ``Shard(0)`` on the expert dim would leave FSDP ranks without a
+whole expert; the expert weights then shard on dim 1 (the hidden dim of ``w1``/``w3``, the model
+dim of ``w2``). FSDP2 shards a dim other than 0 only evenly, and it splits the *local* shard of
+a DTensor param: under expert TP that is ``hidden_dim // etp`` for ``w1``/``w3`` and ``dim`` for
+``w2``. ``fully_shard_moe`` checks every expert weight's local size on that dim before its first
+``fully_shard`` call (so before any FSDP collective; every rank sees the same sizes) and raises a
+``ValueError`` naming the weight, its size and ``edp``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from collections.abc import Iterable
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.parallel.mesh import MoEMeshes
@@ -53,6 +58,7 @@ def expert_shard_dim(num_experts: int, meshes: MoEMeshes) -> int:
 
 
 def _check_model(model: nn.Module, meshes: MoEMeshes, blocks: list[nn.Module]) -> list[MoE]:
+    """Every check of :func:`fully_shard_moe`; local, so every rank raises before any collective."""
     if not isinstance(meshes, MoEMeshes):
         raise TypeError(
             f"fully_shard_moe expects the MoEMeshes of build_moe_meshes(...), got "
@@ -60,7 +66,6 @@ def _check_model(model: nn.Module, meshes: MoEMeshes, blocks: list[nn.Module]) -
         )
     if isinstance(model, FSDPModule):
         raise ValueError("fully_shard_moe: the model is already sharded with fully_shard")
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
     owned = {id(m) for m in model.modules()}
     for block in blocks:
         if id(block) not in owned or block is model:
@@ -68,16 +73,38 @@ def _check_model(model: nn.Module, meshes: MoEMeshes, blocks: list[nn.Module]) -
                 f"fully_shard_moe: every entry of blocks must be a strict submodule of the model; "
                 f"got {type(block).__name__}"
             )
-    for moe in moes:
-        dim = expert_shard_dim(moe.config.num_experts, meshes)
-        if dim == 1 and moe.config.hidden_dim % meshes.edp != 0:
-            raise ValueError(
-                f"fully_shard_moe: {moe.config.num_experts} experts over ep={meshes.ep} leave "
-                f"fewer experts than the {meshes.edp} expert-data-parallel ranks, so the experts "
-                f"shard on dim 1, which needs hidden_dim ({moe.config.hidden_dim}) and dim "
-                f"({moe.config.dim}) divisible by edp={meshes.edp}"
-            )
-    return moes
+    moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    for name, moe in moes:
+        _check_expert_shard_dim(name, moe, meshes)
+    return [m for _, m in moes]
+
+
+def _check_expert_shard_dim(name: str, moe: MoE, meshes: MoEMeshes) -> None:
+    """FSDP2 shards a dim other than 0 only evenly: check each expert weight's *local* size.
+
+    Under expert TP the weights are already DTensors whose local shard (for example ``w1``'s
+    ``H / etp`` rows) is what FSDP2 splits; ``w2`` is ``(E, D, H)``, so its dim 1 is ``D``.
+    """
+    dim = expert_shard_dim(moe.config.num_experts, meshes)
+    if dim == 0:
+        return  # FSDP2 pads an uneven dim 0 itself
+    edp, local_experts = meshes.edp, moe.config.num_experts // meshes.ep
+    prefix = f"{name}.experts" if name else "experts"
+    for pname, param in moe.experts.named_parameters():
+        local_shape = tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
+        if len(local_shape) > dim and local_shape[dim] % edp == 0:
+            continue
+        size = local_shape[dim] if len(local_shape) > dim else None
+        raise ValueError(
+            f"fully_shard_moe: {moe.config.num_experts} experts over ep={meshes.ep} leave "
+            f"{local_experts} per rank, which does not split over the edp={edp} "
+            f"expert-data-parallel ranks, so FSDP2 shards the expert weights on dim {dim}, "
+            f"which it requires to be divisible by edp; but {prefix}.{pname} has local shape "
+            f"{local_shape} (global {tuple(param.shape)}), whose dim {dim} has size {size}, not "
+            f"divisible by edp={edp}. Fix: make num_experts // ep a multiple of edp (the "
+            f"experts then shard on dim 0), or choose dim and hidden_dim // etp (etp="
+            f"{meshes.etp}) divisible by edp"
+        )
 
 
 def fully_shard_moe(

@@ -30,22 +30,44 @@ are the same on every rank, so every rank raises the same error and none hangs.
 
 Note [One mesh per layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-``build_moe_meshes`` returns the *same* :class:`MoEMeshes` when it is called again with the
-same arguments under the same default process group. Two calls to ``init_device_mesh`` with
-the same shape give meshes that compare equal but own different process groups, and torch 2.13's
-sharding-propagation cache compares meshes by value: a cached output spec can carry the first
-mesh, so one rank may run a collective on the first mesh's group while its peer runs it on the
-second's, and both wait forever (observed with the tp all-gather of ``full_tensor()`` after an
-equal mesh had been used). Reusing the meshes also avoids creating process groups again.
-Build other meshes of the same shape from these (slice them) rather than with
-``init_device_mesh``.
+``build_moe_meshes`` returns the *same* meshes when it is called again with the same
+arguments under the same default process group, as long as they are alive (Note [Mesh
+memo]). Two calls to ``init_device_mesh`` with the same shape give meshes that compare
+equal but own different process groups, and torch 2.13's sharding-propagation cache compares
+meshes by value: a cached output spec can carry the first mesh, so one rank may run a
+collective on the first mesh's group while its peer runs it on the second's, and both wait
+forever (observed with the tp all-gather of ``full_tensor()`` after an equal mesh had been
+used). Reusing the meshes also avoids creating process groups again. Build other meshes of the
+same shape from these (slice them) rather than with ``init_device_mesh``.
+
+Note [Mesh memo]
+~~~~~~~~~~~~~~~~
+What ``build_moe_meshes`` remembers for Note [One mesh per layout] holds weak references only:
+
+- key: ``(dp, ep, tp, expert_tp, device_type)``;
+- value: weak references to the default process group it was built under and to the two
+  meshes;
+- bound: one entry per argument tuple; dead entries are dropped at the next call;
+- lifetime: the meshes live as long as something else holds them (their DTensors and modules,
+  torch's sharding-propagation and redistribute caches, the caller's :class:`MoEMeshes`). The
+  memo keeps no mesh and no process group alive, so ``destroy_process_group`` and ``del``
+  release them. ``dtensor_moe.clear_caches()`` leaves the memo alone: it holds nothing, and
+  dropping it could build a second mesh equal to one still in use.
+
+A mesh is reused under the same default group while it is alive and rebuilt once it is dead
+(the :class:`MoEMeshes` around the two is a new, equal object). The hang of Note [One mesh per
+layout] needs the old mesh alive (in a cache or a DTensor), and then it is reused. Reusing or
+rebuilding decides whether process groups are created (``new_group`` on every rank), so every
+rank must decide alike: when an entry exists, ``gc.collect()`` runs first, so "alive" means
+"reachable" (the same on every rank of an SPMD program), not "not collected yet".
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -85,7 +107,17 @@ class MoEMeshes:
         return self.dp * self.tp // (self.ep * self.etp)
 
 
-_BUILT: dict[tuple, tuple[Any, MoEMeshes]] = {}
+@dataclass(frozen=True, slots=True)
+class _Built:
+    """One entry of the memo of Note [Mesh memo]: weak references only."""
+
+    world: weakref.ref
+    dense: weakref.ref
+    expert: weakref.ref
+
+
+# (dp, ep, tp, expert_tp, device_type) -> _Built; see Note [Mesh memo]
+_BUILT: dict[tuple, _Built] = {}
 
 
 def _world_size() -> int:
@@ -147,7 +179,8 @@ def build_moe_meshes(
     Returns:
         :class:`MoEMeshes`. Creating the meshes creates their process groups (``new_group``
         calls on every rank); nothing else communicates. A second call with the same arguments
-        returns the same meshes (Note [One mesh per layout]).
+        under the same default group returns the same meshes while they are alive (Note [One
+        mesh per layout]); the memo holds them weakly (Note [Mesh memo]).
 
     Raises:
         ValueError: before any process group is created, when the degrees do not fit the world
@@ -161,14 +194,29 @@ def build_moe_meshes(
     world = _world_size()
     _check_degrees(dp, ep, tp, expert_tp, world)
     key = (dp, ep, tp, expert_tp, device_type)
-    default_group = dist.group.WORLD if dist.is_initialized() else None
-    if key in _BUILT and default_group is not None and _BUILT[key][0] is default_group:
-        return _BUILT[key][1]  # Note [One mesh per layout]
-    etp = tp if expert_tp else 1
-    dense = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    expert = init_device_mesh(
-        device_type, (world // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp")
-    )
+    built = _live_entry(key)  # Note [One mesh per layout], Note [Mesh memo]
+    dense = None if built is None else built.dense()
+    expert = None if built is None else built.expert()
+    if dense is None:
+        dense = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    if expert is None:
+        etp = tp if expert_tp else 1
+        expert = init_device_mesh(
+            device_type, (world // (ep * etp), ep, etp), mesh_dim_names=("edp", "ep", "etp")
+        )
     meshes = MoEMeshes(dp=dp, ep=ep, tp=tp, expert_tp=expert_tp, dense=dense, expert=expert)
-    _BUILT[key] = (dist.group.WORLD, meshes)
+    _BUILT[key] = _Built(*(weakref.ref(x) for x in (dist.group.WORLD, dense, expert)))
     return meshes
+
+
+def _live_entry(key: tuple) -> _Built | None:
+    """The memo entry for ``key`` if it was built under the current default group (dropping
+    dead entries), after a ``gc.collect()`` that makes liveness agree across ranks."""
+    if key in _BUILT:
+        gc.collect()  # Note [Mesh memo]: "alive" must mean "reachable" on every rank
+    current = dist.group.WORLD if dist.is_initialized() else None
+    for k, built in list(_BUILT.items()):
+        dead = built.dense() is None and built.expert() is None
+        if built.world() is not current or current is None or dead:
+            del _BUILT[k]
+    return _BUILT.get(key)

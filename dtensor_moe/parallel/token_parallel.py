@@ -68,8 +68,15 @@ from dtensor_moe.parallel.padding import TokenShardMeta
 
 __all__ = ["Routing", "TokenParallelForward", "region_grad_placements"]
 
-# Dispatchers already checked against a TokenParallelForward (see ``check_experts``).
-_CHECKED: weakref.WeakKeyDictionary[object, TokenParallelForward] = weakref.WeakKeyDictionary()
+# Note [Checked dispatchers]
+# ``TokenParallelForward.check_experts`` remembers which dispatcher it found compatible:
+#   key:      the dispatcher (weakly: the entry dies with it)
+#   value:    (routing, weak reference to the tp mesh) that it was checked against
+#   bound:    one entry per live dispatcher that ran a token-parallel forward
+#   lifetime: the dispatcher's; the entry never keeps the tp mesh (nor its process groups) alive.
+# The verdict depends on the routing and the tp mesh's ranks only; a hit needs the same mesh
+# object. ``_CHECKED.clear()`` is safe at any time (``dtensor_moe.clear_caches``).
+_CHECKED: weakref.WeakKeyDictionary[object, tuple[str, weakref.ref]] = weakref.WeakKeyDictionary()
 
 Routing: TypeAlias = Literal["split", "replicate"]
 ROUTINGS: tuple[Routing, ...] = ("split", "replicate")
@@ -180,10 +187,11 @@ class TokenParallelForward:
         rank lists are read once, not at every forward.
         """
         dispatcher = moe.experts.dispatcher
-        if _CHECKED.get(dispatcher) is self:
+        checked = _CHECKED.get(dispatcher)  # Note [Checked dispatchers]
+        if checked is not None and checked[0] == self.routing and checked[1]() is self.mesh:
             return
         self._check_dispatcher(dispatcher)
-        _CHECKED[dispatcher] = self
+        _CHECKED[dispatcher] = (self.routing, weakref.ref(self.mesh))
 
     def _check_dispatcher(self, dispatcher: object) -> None:
         partial = getattr(dispatcher, "partial_mesh", None)
@@ -227,6 +235,8 @@ class TokenParallelForward:
                 "input_layout=Shard(1) (sequence parallel) or Replicate()"
             )
         moe._check_input(x)
+        if self.input_layout.is_shard():
+            self._check_sequence_shard(x)
         if self.routing == "split" and self.input_layout.is_shard():
             # The routed region reads x's own shards and returns gradients in x's placements.
             return x
@@ -234,6 +244,28 @@ class TokenParallelForward:
         return DTensor.from_local(
             x.to_local(), self.mesh, x.placements, shape=x.shape, stride=x.stride()
         )
+
+    def _check_sequence_shard(self, x: DTensor) -> None:
+        """The local shard of a ``Shard(1)`` input must be DTensor's own split of its shape.
+
+        ``DTensor.from_local(..., shape=...)`` does not check this; a shard of another length
+        would route wrong sequence indices (and DTensor's padded collectives would misalign).
+        Checked before any collective, on each rank from its own shard: every rank whose shard
+        disagrees raises (a rank cannot see another's shard without a collective).
+        """
+        B, L, D = x.shape
+        rank = self.mesh.get_local_rank()
+        meta = TokenShardMeta.from_shape(B, L, self.mesh.size(), 1)
+        expected = (B, meta.local_len(rank), D)
+        local_shape = tuple(_compat.local_tensor(x).shape)
+        if local_shape != expected:
+            raise ValueError(
+                f"PrepareMoEInput: the Shard(1) input of global shape {tuple(x.shape)} holds a "
+                f"local shard of shape {local_shape} on tp rank {rank}, but DTensor's split of "
+                f"L={L} over tp={self.mesh.size()} gives it {expected} (lengths "
+                f"{list(meta.local_lens)}); build the input with distribute_tensor or "
+                "redistribute, or pass DTensor.from_local shards of exactly those lengths"
+            )
 
     # -- tokens in, output out ----------------------------------------------------------------
 
@@ -254,10 +286,8 @@ class TokenParallelForward:
         else:
             meta = TokenShardMeta.from_shape(B, L, tp, "flat")
             x = x_in.view(B * L, D).redistribute(self.mesh, [Shard(0)])
-        local_len = _compat.local_tensor(x).shape[meta.tensor_dim]
-        assert local_len == meta.local_len(rank), (
-            f"DTensor's split ({local_len} rows) disagrees with {meta} on tp rank {rank}"
-        )
+        # x's local rows are meta's split: a Shard(1) input was checked in _input, and the
+        # flat Shard(0) above is DTensor's own redistribute (test_padding pins the agreement).
         sequence_T = meta.global_token_index(rank, device=device) // max(L, 1)
         return _Tokens(x=x, region_output=x.placements[0], sequence_T=sequence_T, owned=None)
 

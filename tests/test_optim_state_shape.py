@@ -1,0 +1,79 @@
+"""Note [Per-slot rule]: a state whose global shape differs from its param's raises a ValueError
+naming the slot on every path: DTensor dispatch, the fast entry, the local grouping of a fast
+step, and torch's step with the fast paths off. It must never reach the kernel (a badly
+resharded checkpoint once aborted the process with heap corruption there)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
+
+import dtensor_moe  # noqa: F401  (registers the handlers)
+from tests._dist import DistTestBase
+from tests._optim_cases import fast_paths
+
+_MSG = (
+    r"slot 1 of 'exp_avg_sqs' does not follow param 1: its shape \(12, 4\) differs from the "
+    r"param's \(8, 4\)"
+)
+
+
+class StateShapeTest(DistTestBase):
+    def _setup(self):
+        mesh = init_device_mesh("cpu", (4,))
+        gen = torch.Generator().manual_seed(0)
+        params = [distribute_tensor(torch.randn(8, 4, generator=gen), mesh, [Shard(0)])
+                  for _ in range(3)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        # same mesh, placements and dtype; another global shape (a badly resharded checkpoint)
+        bad = distribute_tensor(torch.ones(12, 4), mesh, [Shard(0)])
+        return params, bad
+
+    @with_comms
+    def test_state_of_another_shape_raises_on_every_path(self):
+        params, bad = self._setup()
+        grads = [p.grad for p in params]
+        states = [[torch.zeros_like(p) for p in params] for _ in range(3)]
+        states[1][1] = bad
+        steps = [torch.tensor(1.0) for _ in params]
+        kw = dict(lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                  maximize=False)
+        args = (params, grads, *states, steps)
+        paths = {
+            "dispatch": lambda: torch.ops.aten._fused_adam_.default(*args, **kw),
+            "fast entry": lambda: torch._fused_adam_(*args, **kw),
+        }
+        for name, call in paths.items():
+            for enabled in (True, False):
+                with fast_paths(enabled), torch.no_grad(), CommDebugMode() as comm:
+                    with self.assertRaisesRegex(ValueError, _MSG, msg=f"{name}, {enabled}"):
+                        call()
+                self.assertEqual(comm.get_total_counts(), 0)
+        # twice in a row: the aligned-slot cache must not let the second call through
+        with torch.no_grad(), self.assertRaisesRegex(ValueError, _MSG):
+            torch._fused_adam_(*args, **kw)
+
+    @with_comms
+    def test_optimizer_step_with_a_bad_state_raises(self):
+        for enabled in (True, False):  # local grouping in a fast step / torch's own step
+            with fast_paths(enabled):
+                params, bad = self._setup()
+                opt = torch.optim.Adam(params, lr=0.1, fused=True)
+                opt.step()  # creates the state, fills the caches
+                before = [p.to_local().clone() for p in params]
+                opt.state[params[1]]["exp_avg_sq"] = bad
+                with self.assertRaisesRegex(ValueError, _MSG):
+                    opt.step()
+                for p, b in zip(params, before):  # nothing was stepped
+                    self.assertEqual(p.to_local(), b, atol=0, rtol=0)
+        dist.barrier()  # every rank raised the same way; nothing hangs
+
+
+if __name__ == "__main__":
+    run_tests()

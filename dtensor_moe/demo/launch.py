@@ -47,6 +47,7 @@ from dtensor_moe.demo.layout import apply_layout, describe_layout
 from dtensor_moe.demo.report import progress_line, summarize, summary_lines, write_outputs
 from dtensor_moe.demo.train import build_model, run_single_process, train
 from dtensor_moe.parallel import build_moe_meshes
+from dtensor_moe.parallel.objects import all_gather_objects
 
 __all__ = ["main", "run_rank"]
 
@@ -199,10 +200,9 @@ def _single_process_runs(config: DemoConfig, chain: MarkovChain, rank: int) -> d
     if config.compare_balance and rank == comparison_rank:
         comparison = run_single_process(config, chain, balance=not config.balance)
     if config.compare_balance:
-        if world > 1:
-            received = [None] * world if rank == 0 else None
-            dist.gather_object(comparison, received, dst=0)
-            comparison = received[comparison_rank] if rank == 0 else None
+        if world > 1:  # numpy-free (Note [Object collectives without numpy])
+            gathered = all_gather_objects(comparison)  # every rank takes part
+            comparison = gathered[comparison_rank] if rank == 0 else None
         if rank == 0:
             runs["comparison"] = comparison
     return runs

@@ -11,7 +11,7 @@ runs, on every rank of the mesh:
 
 1. checks that need no other rank (the module type, the mesh's number of dims), which are the
    same on every rank;
-2. one ``all_gather_object`` per mesh dim of ``(fingerprint, error)``: the layer's configuration
+2. one object all-gather per mesh dim of ``(fingerprint, error)``: the layer's configuration
    and the result of this rank's own checks (for example ``num_experts % ep``). Every rank
    then holds every rank's pair and raises the same ``ValueError``, the first rank's error or
    a config mismatch, before any other collective, so no rank can hang waiting for one that
@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, TypeAlias
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
@@ -39,6 +38,7 @@ from dtensor_moe import _compat
 from dtensor_moe.moe.experts import GroupedExperts
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.parallel.dispatch import AllToAllTokenDispatcher
+from dtensor_moe.parallel.objects import all_gather_objects
 from dtensor_moe.parallel.token_parallel import (
     INPUT_LAYOUTS,
     ROUTINGS,
@@ -52,11 +52,11 @@ ExpertTPDispatch: TypeAlias = Literal["all_to_all", "gather"]
 
 
 def _gather_over_mesh(value: Any, mesh: DeviceMesh) -> list[Any]:
-    """Every rank's ``value``, in mesh order, on every rank (one all_gather_object per dim)."""
+    """Every rank's ``value``, in mesh order, on every rank (one object all-gather per dim,
+    without numpy: Note [Object collectives without numpy] in ``objects.py``)."""
     values = [value]
     for dim in range(mesh.ndim):
-        gathered: list[Any] = [None] * mesh.size(dim)
-        dist.all_gather_object(gathered, values, group=mesh.get_group(dim))
+        gathered = all_gather_objects(values, mesh.get_group(dim), mesh.device_type)
         values = [v for part in gathered for v in part]
     return values
 
@@ -133,7 +133,8 @@ class ExpertParallel(ParallelStyle):
     block (with :class:`PrepareMoEInput` ``routing="split"``). Expert weight gradients are
     ``Shard(0)`` DTensors holding the complete gradient of the local experts.
 
-    Collectives: applying runs one ``all_gather_object`` (config check) and the weight scatter;
+    Collectives: applying runs one object all-gather (config check; two ``all_gather`` calls)
+    and the weight scatter;
     forward: ``all_to_all_single`` x 3; backward: ``all_to_all_single`` x 2, all on the mesh.
 
     Raises:
@@ -204,7 +205,8 @@ class ExpertTensorParallel(ParallelStyle):
     ``[Shard(0), Shard(2)]``. On a 1-D ``etp`` mesh (expert tensor parallelism alone):
     ``[Shard(1)]`` and ``[Shard(2)]``. Weight gradients keep these placements.
 
-    Collectives: applying runs one ``all_gather_object`` per mesh dim and the weight scatter.
+    Collectives: applying runs one object all-gather (two ``all_gather`` calls) per mesh dim
+    and the weight scatter.
     Forward ``all_to_all_single`` x 3, backward x 2: over all ranks of the mesh
     (``"all_to_all"``), or over ``ep`` (``"gather"``; none on a 1-D mesh).
 

@@ -26,6 +26,10 @@ BASE = dict(dim=16, hidden_dim=32, num_experts=4, top_k=2)
         (dict(aux_loss_coeff=-1.0), r"aux_loss_coeff must be >= 0"),
         (dict(num_shared_experts=-1), r"num_shared_experts must be >= 0, got -1"),
         (dict(shared_hidden_dim=0), r"shared_hidden_dim must be positive or None, got 0"),
+        (
+            dict(shared_expert_gate=True),
+            r"shared_expert_gate=True needs shared experts; set num_shared_experts >= 1",
+        ),
         (dict(init_std=0.0), r"init_std must be positive"),
         (dict(num_expert_groups=2), r"needs both .*num_expert_groups=2, num_limited_groups=None"),
         (

@@ -79,11 +79,15 @@ def reference_moe(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
                 y_D = y_D + w_k * _swiglu(x_D, ex.w1[i], ex.w2[i], ex.w3[i])
         if sh is not None:
             h = cfg.shared_hidden_total // cfg.num_shared_experts
+            shared_D = x_D.new_zeros(D)
             for s in range(cfg.num_shared_experts):
                 rows = slice(s * h, (s + 1) * h)
-                y_D = y_D + _swiglu(
+                shared_D = shared_D + _swiglu(
                     x_D, sh.w1.weight[rows], sh.w2.weight[:, rows], sh.w3.weight[rows]
                 )
+            if cfg.shared_expert_gate:  # Qwen2-MoE: sigmoid(x . g) scales the shared output
+                shared_D = torch.sigmoid(sh.gate.weight[0] @ x_D) * shared_D
+            y_D = y_D + shared_D
         outs.append(y_D)
         all_scores.append(scores)
         all_ids.append(ids)
@@ -161,6 +165,7 @@ def test_bmm_path_matches_reference():
         dict(use_expert_bias=True),
         dict(aux_loss_coeff=0.1),
         dict(aux_loss_coeff=0.1, score_func="sigmoid", num_shared_experts=1),
+        dict(num_shared_experts=2, shared_hidden_dim=8, shared_expert_gate=True),
     ],
     ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
 )

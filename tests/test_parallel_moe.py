@@ -217,6 +217,8 @@ OPTION_RUNS = [  # other MoEConfig options, one case each: (layout, overrides)
     ("sp2ep2", {"num_expert_groups": 4, "num_limited_groups": 2, "route_scale": 2.0}),
     ("tp2ep2", {"pad_multiple": 8, "compute_path": "loop"}),
     ("ep2", {"compute_path": "loop"}),  # overlapped exchange without the fused grouped_mm stage
+    ("sp2ep2", {"shared_expert_gate": True}),  # gated shared expert, split routing
+    ("tp2ep2", {"shared_expert_gate": True}),  # gated shared expert, replicate routing (TP)
 ]
 
 

@@ -17,6 +17,7 @@ from dtensor_moe.moe.experts import (
     SharedExperts,
     grouped_swiglu,
     local_expert_weight,
+    shared_mlp,
     swiglu_mlp,
 )
 from dtensor_moe.moe.layer import MoE
@@ -48,6 +49,7 @@ __all__ = [
     "sequence_aux_loss",
     "sequence_sums",
     "sort_by_expert",
+    "shared_mlp",
     "swiglu_mlp",
     "unpermute_and_reduce",
     "update_expert_bias",

@@ -40,6 +40,9 @@ class MoEConfig:
         aux_loss_coeff: coefficient of the sequence-level auxiliary loss; ``0`` disables it.
         num_shared_experts: number of always-on shared SwiGLU experts (``0``: none).
         shared_hidden_dim: hidden width of each shared expert; ``None`` means ``hidden_dim``.
+        shared_expert_gate: scale the shared experts' output per token by
+            ``sigmoid(x @ g)``, with a learned ``g`` of shape ``(1, dim)`` (Qwen2-MoE's
+            ``shared_expert_gate``); needs ``num_shared_experts > 0``.
         compute_path: ``"auto"``, ``"grouped_mm"``, ``"loop"`` or ``"bmm"``.
         pad_multiple: pad each expert's token group to a multiple of this (``1``: no padding).
         init_std: standard deviation of the normal initialisation of all weights.
@@ -59,6 +62,7 @@ class MoEConfig:
     aux_loss_coeff: float = 0.0
     num_shared_experts: int = 0
     shared_hidden_dim: int | None = None
+    shared_expert_gate: bool = False
     compute_path: ComputePath = "auto"
     pad_multiple: int = 1
     init_std: float = 0.02
@@ -92,6 +96,11 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.shared_hidden_dim must be positive or None, got "
                 f"{self.shared_hidden_dim}"
+            )
+        if self.shared_expert_gate and self.num_shared_experts == 0:
+            raise ValueError(
+                "MoEConfig.shared_expert_gate=True needs shared experts; set "
+                "num_shared_experts >= 1 or leave shared_expert_gate False"
             )
         if self.init_std <= 0:
             raise ValueError(f"MoEConfig.init_std must be positive, got {self.init_std}")

@@ -311,23 +311,46 @@ class SharedExperts(nn.Module):
     """Always-on SwiGLU MLP: ``n`` shared experts of hidden ``h`` fused into one of ``n * h``.
 
     Fusing is exact: the sum of ``n`` SwiGLU experts equals one SwiGLU whose hidden units are
-    their concatenation. No collective runs here.
+    their concatenation. With ``gated=True`` (``MoEConfig.shared_expert_gate``) the output is
+    scaled per token by ``sigmoid(x @ gate.weight.T)``, ``gate`` an ``nn.Linear(dim, 1)`` without
+    bias (Qwen2-MoE). No collective runs here.
     """
 
-    def __init__(self, *, dim: int, hidden_dim: int, init_std: float = 0.02) -> None:
+    def __init__(
+        self, *, dim: int, hidden_dim: int, init_std: float = 0.02, gated: bool = False
+    ) -> None:
         super().__init__()
         self.init_std = init_std
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.gate = nn.Linear(dim, 1, bias=False) if gated else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for lin in (self.w1, self.w2, self.w3):
-            nn.init.normal_(lin.weight, std=self.init_std)
+        for lin in (self.w1, self.w2, self.w3, self.gate):
+            if lin is not None:
+                nn.init.normal_(lin.weight, std=self.init_std)
+
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        """``(w1, w2, w3)`` weights, then the gate's when gated: :func:`shared_mlp`'s order."""
+        ws = (self.w1.weight, self.w2.weight, self.w3.weight)
+        return ws if self.gate is None else (*ws, self.gate.weight)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return swiglu_mlp(x_TD, self.w1.weight, self.w2.weight, self.w3.weight)
+        return shared_mlp(x_TD, *self.weights())
+
+
+def shared_mlp(
+    x_TD: torch.Tensor,
+    w1_HD: torch.Tensor,
+    w2_DH: torch.Tensor,
+    w3_HD: torch.Tensor,
+    gate_1D: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`swiglu_mlp`, scaled per token by ``sigmoid(x @ gate.T)`` when ``gate_1D`` is given."""
+    y_TD = swiglu_mlp(x_TD, w1_HD, w2_DH, w3_HD)
+    return y_TD if gate_1D is None else torch.sigmoid(F.linear(x_TD, gate_1D)) * y_TD
 
 
 def swiglu_mlp(

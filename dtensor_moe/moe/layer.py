@@ -76,7 +76,10 @@ class MoE(nn.Module):
         self.shared_experts = None
         if config.num_shared_experts > 0:
             self.shared_experts = SharedExperts(
-                dim=config.dim, hidden_dim=config.shared_hidden_total, init_std=config.init_std
+                dim=config.dim,
+                hidden_dim=config.shared_hidden_total,
+                init_std=config.init_std,
+                gated=config.shared_expert_gate,
             )
         self.parallel_forward = None
 

@@ -332,6 +332,8 @@ class PrepareMoEInput(ParallelStyle):
             for name, dim in (("w1", 0), ("w2", 1), ("w3", 0)):
                 placement = Replicate() if split else Shard(dim)
                 _distribute_param(getattr(shared, name), "weight", device_mesh, [placement])
+            if shared.gate is not None:  # one score per token, like the router gate
+                _distribute_param(shared.gate, "weight", device_mesh, [Replicate()])
         module.parallel_forward = TokenParallelForward(
             mesh=device_mesh, input_layout=self.input_layout, routing=self.routing
         )

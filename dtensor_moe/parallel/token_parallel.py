@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.balance import attach_aux_loss
-from dtensor_moe.moe.experts import swiglu_mlp
+from dtensor_moe.moe.experts import shared_mlp
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.moe.router import (
     RouterOutput,
@@ -154,7 +154,7 @@ class TokenParallelForward:
         B, L, D = x_in.shape
         tokens = self._tokens(x_in)
         shared = moe.shared_experts
-        shared_ws = () if shared is None else (shared.w1.weight, shared.w2.weight, shared.w3.weight)
+        shared_ws = () if shared is None else shared.weights()
         x_local, gate_local, *shared_local = _local_views(
             (tokens.x, moe.router.gate.weight, *shared_ws), tokens.region_output
         )
@@ -165,7 +165,7 @@ class TokenParallelForward:
         if isinstance(y_TD, DTensor):  # expert TP: a Partial DTensor on the etp mesh
             y_TD = y_TD.to_local()
         if shared is not None:
-            y_TD = y_TD + swiglu_mlp(x_TD, *shared_local)
+            y_TD = y_TD + shared_mlp(x_TD, *shared_local)
         if routing.aux_loss is not None:
             y_TD = attach_aux_loss(y_TD, routing.aux_loss)
         y = DTensor.from_local(

@@ -1,0 +1,381 @@
+"""Hugging Face ``transformers`` MoE blocks as :class:`dtensor_moe.MoE` layers, and back.
+
+::
+
+    from dtensor_moe import hf
+    ours = hf.moe_from_hf(block)           # one HF MoE block -> MoE, same weights and math
+    names = hf.replace_moe_blocks(model)   # swap every supported block in place
+    sd = hf.to_hf_state_dict(model)        # HF keys and layouts, loadable with strict=True
+
+Needs the ``hf`` extra (``pip install "dtensor_moe[hf]"``); ``import dtensor_moe`` never
+imports this module. ``docs/hf.md`` lists the families, the weight mapping and the limits.
+
+Note [HF block mapping]
+~~~~~~~~~~~~~~~~~~~~~~~
+Every supported family (transformers 5.x) has the same routed part: a router ``gate`` whose
+``weight`` is ``(E, D)`` and experts whose ``gate_up_proj`` is ``(E, 2H, D)`` (the gate
+projection's ``H`` rows first, then the up projection's) and ``down_proj`` ``(E, D, H)``, with
+``act(gate) * up``. Our ``experts.w1`` is the first half of ``gate_up_proj``, ``w3`` the second
+and ``w2`` is ``down_proj``; ``router.gate.weight`` is the router's ``weight``. The families
+differ only in routing and shared experts, and each setting is read from the block (its router
+holds ``top_k``, ``norm_topk_prob``, ``routed_scaling_factor``, ``n_group``, ``topk_group``):
+
+=============  ===========================  ================================================
+family         routing                      shared experts
+=============  ===========================  ================================================
+Mixtral        softmax, top-k, renormalised none
+               (always, in MixtralTopKRouter)
+Qwen2-MoE      softmax, top-k,              ``shared_expert`` (an MLP) scaled by
+               ``norm_topk_prob``           ``sigmoid(shared_expert_gate(x))``
+Qwen3-MoE      softmax, top-k,              none
+               ``norm_topk_prob``
+OLMoE          softmax, top-k,              none
+               ``norm_topk_prob``
+DeepSeek-V3    sigmoid; the correction bias ``shared_experts`` (one MLP of
+GLM4-MoE       picks the experts (group-    ``n_shared_experts * moe_intermediate_size``)
+               limited: top-2 sum per
+               group) but not the weights;
+               ``norm_topk_prob``, then
+               ``routed_scaling_factor``
+=============  ===========================  ================================================
+
+The shared MLP's ``gate_proj``/``up_proj``/``down_proj`` become ``shared_experts.w1``/``w3``/
+``w2`` (one fused shared expert: ``num_shared_experts=1`` with the MLP's whole hidden width),
+Qwen2-MoE's ``shared_expert_gate`` becomes ``shared_experts.gate``
+(``MoEConfig.shared_expert_gate``), and the DeepSeek-style ``e_score_correction_bias`` becomes
+``router.expert_bias`` (``use_expert_bias=True``). The auxiliary loss is off
+(``aux_loss_coeff=0``): HF computes its own from recorded router logits, which a swapped block
+no longer produces, so :func:`replace_moe_blocks` refuses ``output_router_logits=True``.
+
+Each converted layer remembers where it came from in ``moe.hf_source`` (an :class:`HFSource`),
+which :func:`to_hf_state_dict` uses to write the HF keys back.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+try:
+    import transformers  # noqa: F401  (the extra this module needs)
+except ImportError as error:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "dtensor_moe.hf needs the Hugging Face transformers library, which is an optional "
+        'extra: pip install "dtensor_moe[hf]"'
+    ) from error
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dtensor_moe.moe.config import MoEConfig
+from dtensor_moe.moe.layer import MoE
+
+__all__ = [
+    "SUPPORTED_BLOCKS",
+    "HFSource",
+    "moe_from_hf",
+    "replace_moe_blocks",
+    "to_hf_state_dict",
+]
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one transformers family's MoE block maps to :class:`MoE` (Note [HF block mapping])."""
+
+    name: str
+    module: str  # the transformers modeling module
+    block: str  # the sparse MoE block class in it
+    grouped_sigmoid: bool  # DeepSeek-V3-style router (sigmoid, bias, groups, scaling)
+    shared: str | None  # attribute of the shared MLP on the block
+    shared_gate: str | None  # attribute of the shared MLP's sigmoid gate (Qwen2-MoE)
+    always_normalised: bool = False  # Mixtral's router renormalises without a flag
+
+    def block_class(self) -> type | None:
+        try:
+            return getattr(importlib.import_module(self.module), self.block)
+        except (ImportError, AttributeError):
+            return None
+
+
+_FAMILIES = (
+    _Family("Mixtral", "transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock",
+            grouped_sigmoid=False, shared=None, shared_gate=None, always_normalised=True),
+    _Family("Qwen2-MoE", "transformers.models.qwen2_moe.modeling_qwen2_moe",
+            "Qwen2MoeSparseMoeBlock", grouped_sigmoid=False, shared="shared_expert",
+            shared_gate="shared_expert_gate"),
+    _Family("Qwen3-MoE", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+            "Qwen3MoeSparseMoeBlock", grouped_sigmoid=False, shared=None, shared_gate=None),
+    _Family("OLMoE", "transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock",
+            grouped_sigmoid=False, shared=None, shared_gate=None),
+    _Family("DeepSeek-V3", "transformers.models.deepseek_v3.modeling_deepseek_v3",
+            "DeepseekV3MoE", grouped_sigmoid=True, shared="shared_experts", shared_gate=None),
+    _Family("GLM4-MoE", "transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeMoE",
+            grouped_sigmoid=True, shared="shared_experts", shared_gate=None),
+)
+
+#: Supported block class names, by family.
+SUPPORTED_BLOCKS: dict[str, str] = {f.name: f.block for f in _FAMILIES}
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """Where a converted :class:`MoE` came from: the family, the block class, and the HF
+    attribute names of its shared MLP and shared gate (``None`` when the family has none)."""
+
+    family: str
+    block_class: str
+    shared: str | None
+    shared_gate: str | None
+
+
+def _family_of(block: nn.Module) -> _Family:
+    for family in _FAMILIES:
+        cls = family.block_class()
+        if cls is not None and type(block) is cls:
+            return family
+    supported = ", ".join(f"{f.block} ({f.name})" for f in _FAMILIES)
+    raise TypeError(
+        f"dtensor_moe.hf: {type(block).__module__}.{type(block).__qualname__} is not a "
+        f"supported MoE block; supported: {supported}. Other families (for example ones whose "
+        "experts are not SwiGLU, or that do not route token-choice top-k) are not converted"
+    )
+
+
+def _is_silu(act: object) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _unsupported(family: _Family, what: str, fix: str) -> ValueError:
+    return ValueError(f"dtensor_moe.hf: this {family.name} block {what}, which MoE does not "
+                      f"support; {fix}")
+
+
+def _check_block(family: _Family, block: nn.Module) -> None:
+    """Refuse every setting that MoE would compute differently (nothing is guessed)."""
+    experts = block.experts
+    for attr in ("gate_up_proj", "down_proj"):
+        if not isinstance(getattr(experts, attr, None), torch.Tensor):
+            raise _unsupported(family, f"has experts without a fused {attr} tensor",
+                               "use a transformers 5.x model (fused 3-D expert weights)")
+    if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(
+        experts, "down_proj_bias", None
+    ) is not None:
+        raise _unsupported(family, "has expert biases", "convert a model without them")
+    if not _is_silu(getattr(experts, "act_fn", None)):
+        raise _unsupported(
+            family, f"uses the expert activation {type(experts.act_fn).__name__}",
+            "only SwiGLU experts (hidden_act='silu') are supported",
+        )
+    if family.shared is not None:
+        mlp = getattr(block, family.shared)
+        if not _is_silu(getattr(mlp, "act_fn", None)):
+            raise _unsupported(
+                family, f"uses the shared-expert activation {type(mlp.act_fn).__name__}",
+                "only SwiGLU shared experts (hidden_act='silu') are supported",
+            )
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if lin.bias is not None:
+                raise _unsupported(family, "has shared-expert biases",
+                                   "convert a model without them")
+    if family.shared_gate is not None and getattr(block, family.shared_gate).bias is not None:
+        raise _unsupported(family, "has a biased shared-expert gate", "convert one without")
+    jitter = getattr(block, "jitter_noise", 0.0) or 0.0
+    if jitter > 0:
+        raise _unsupported(
+            family, f"uses router jitter (router_jitter_noise={jitter}) in training",
+            "set config.router_jitter_noise = 0 before building the model",
+        )
+
+
+def _config_of(family: _Family, block: nn.Module) -> MoEConfig:
+    router, experts = block.gate, block.experts
+    num_experts, dim = router.weight.shape
+    hidden = experts.down_proj.shape[-1]
+    if tuple(experts.gate_up_proj.shape) != (num_experts, 2 * hidden, dim):
+        raise _unsupported(
+            family, f"has gate_up_proj of shape {tuple(experts.gate_up_proj.shape)}, not "
+            f"(E, 2H, D) = {(num_experts, 2 * hidden, dim)}", "check the checkpoint")
+    fields: dict = dict(dim=dim, hidden_dim=hidden, num_experts=num_experts, top_k=router.top_k)
+    fields["route_norm"] = True if family.always_normalised else bool(router.norm_topk_prob)
+    if family.grouped_sigmoid:
+        fields.update(
+            score_func="sigmoid",
+            use_expert_bias=True,
+            route_scale=float(router.routed_scaling_factor),
+            num_expert_groups=int(router.num_group),
+            num_limited_groups=int(router.topk_group),
+        )
+    if family.shared is not None:
+        mlp = getattr(block, family.shared)
+        fields.update(
+            num_shared_experts=1,
+            shared_hidden_dim=mlp.gate_proj.out_features,
+            shared_expert_gate=family.shared_gate is not None,
+        )
+    return MoEConfig(**fields)
+
+
+@torch.no_grad()
+def moe_from_hf(block: nn.Module) -> MoE:
+    """One HF sparse MoE block as a :class:`MoE` with the same weights and math.
+
+    The new layer has the block's dtype and device and its training mode; it shares no storage
+    with the block. Its ``hf_source`` records the family (used by :func:`to_hf_state_dict`).
+
+    Raises:
+        TypeError: ``block`` is not one of :data:`SUPPORTED_BLOCKS`.
+        ValueError: the block uses a setting that :class:`MoE` does not compute (router jitter,
+            an activation other than SiLU, biases); the message names it and the fix.
+    """
+    family = _family_of(block)
+    _check_block(family, block)
+    config = _config_of(family, block)
+    weight = block.gate.weight
+    moe = MoE(config).to(device=weight.device, dtype=weight.dtype)
+    H = config.hidden_dim
+    gate_up = block.experts.gate_up_proj
+    moe.router.gate.weight.copy_(weight)
+    moe.experts.w1.copy_(gate_up[:, :H])
+    moe.experts.w3.copy_(gate_up[:, H:])
+    moe.experts.w2.copy_(block.experts.down_proj)
+    if family.grouped_sigmoid:
+        # HF keeps the correction bias in float32 whatever the model's dtype; so do we.
+        moe.router.expert_bias = block.gate.e_score_correction_bias.detach().float().clone()
+    if family.shared is not None:
+        mlp, shared = getattr(block, family.shared), moe.shared_experts
+        shared.w1.weight.copy_(mlp.gate_proj.weight)
+        shared.w3.weight.copy_(mlp.up_proj.weight)
+        shared.w2.weight.copy_(mlp.down_proj.weight)
+        if family.shared_gate is not None:
+            shared.gate.weight.copy_(getattr(block, family.shared_gate).weight)
+    moe.hf_source = HFSource(
+        family=family.name,
+        block_class=family.block,
+        shared=family.shared,
+        shared_gate=family.shared_gate,
+    )
+    moe.train(block.training)
+    return moe
+
+
+def _looks_like_moe_block(module: nn.Module) -> bool:
+    """A block of an MoE family we do not convert: routed experts beside a router."""
+    children = dict(module.named_children())
+    return "experts" in children and ("gate" in children or "router" in children)
+
+
+def replace_moe_blocks(model: nn.Module) -> list[str]:
+    """Swap every supported HF MoE block of ``model`` for :func:`moe_from_hf` of it, in place.
+
+    Returns the qualified names of the swapped modules (for example
+    ``"model.layers.0.mlp"``), in ``named_modules`` order.
+
+    Checks everything before swapping anything, so a failure leaves ``model`` unchanged.
+
+    Raises:
+        ValueError: ``model.config.output_router_logits`` is set (HF's auxiliary loss reads the
+            router logits of HF's router classes; use ``MoEConfig.aux_loss_coeff`` or the expert
+            bias instead), ``model`` holds no supported block, or a block has an unsupported
+            setting (see :func:`moe_from_hf`).
+        TypeError: ``model`` holds an MoE block of an unsupported family.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "dtensor_moe.hf.replace_moe_blocks: the model has output_router_logits=True, whose "
+            "auxiliary loss reads the logits of HF's own router modules and would silently "
+            "vanish after the swap; set model.config.output_router_logits = False (and use "
+            "MoEConfig.aux_loss_coeff or the expert bias for load balancing)"
+        )
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            continue
+        if _looks_like_moe_block(module) or any(
+            type(module) is f.block_class() for f in _FAMILIES
+        ):
+            family = _family_of(module)  # TypeError for an unsupported family
+            _check_block(family, module)
+            found.append((name, module))
+    if not found:
+        raise ValueError(
+            f"dtensor_moe.hf.replace_moe_blocks: {type(model).__name__} holds no supported MoE "
+            f"block ({', '.join(SUPPORTED_BLOCKS.values())})"
+        )
+    for name, block in found:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, moe_from_hf(block))
+    return [name for name, _ in found]
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _hf_entries(prefix: str, source: HFSource, ours: dict) -> list[tuple[str, torch.Tensor]]:
+    """The HF keys and tensors of one converted block, popped from its state-dict entries
+    ``ours`` (keys relative to the block); anything left in ``ours`` has no HF counterpart."""
+    out = [(f"{prefix}gate.weight", ours.pop("router.gate.weight"))]
+    if "router.expert_bias" in ours:
+        out.append((f"{prefix}gate.e_score_correction_bias", ours.pop("router.expert_bias")))
+    w1, w2, w3 = (ours.pop(f"experts.{w}") for w in ("w1", "w2", "w3"))
+    out += [
+        (f"{prefix}experts.gate_up_proj", torch.cat([w1, w3], dim=1)),
+        (f"{prefix}experts.down_proj", w2),
+    ]
+    if source.shared is not None:
+        mlp = f"{prefix}{source.shared}."
+        out += [
+            (f"{mlp}gate_proj.weight", ours.pop("shared_experts.w1.weight")),
+            (f"{mlp}up_proj.weight", ours.pop("shared_experts.w3.weight")),
+            (f"{mlp}down_proj.weight", ours.pop("shared_experts.w2.weight")),
+        ]
+        if source.shared_gate is not None:
+            out.append((f"{prefix}{source.shared_gate}.weight",
+                        ours.pop("shared_experts.gate.weight")))
+    return out
+
+
+def to_hf_state_dict(model: nn.Module) -> OrderedDict[str, torch.Tensor]:
+    """``model``'s state dict with every converted block written back in HF keys and layouts.
+
+    Loadable with ``load_state_dict(..., strict=True)`` into a fresh HF model of the same
+    config. DTensor entries (EP, TP, FSDP2) are gathered with ``full_tensor()``, so every rank
+    of the model's meshes must call this together; the result holds plain, detached tensors.
+
+    Raises:
+        ValueError: ``model`` holds an :class:`MoE` without ``hf_source`` (one not made by
+            :func:`moe_from_hf`), whose HF layout is unknown, or a converted block has a state
+            entry with no HF counterpart.
+    """
+    sources = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            source = getattr(module, "hf_source", None)
+            if not isinstance(source, HFSource):
+                raise ValueError(
+                    f"dtensor_moe.hf.to_hf_state_dict: the MoE at {name or '<root>'!r} was not "
+                    "made by moe_from_hf/replace_moe_blocks, so its HF layout is unknown"
+                )
+            sources[f"{name}." if name else ""] = source
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    blocks: dict[str, dict] = {prefix: {} for prefix in sources}
+    for key, value in model.state_dict().items():
+        value = _full(value).detach()
+        prefix = next((p for p in sources if key.startswith(p)), None)
+        if prefix is None:
+            out[key] = value
+        else:
+            blocks[prefix][key[len(prefix):]] = value
+    for prefix, ours in blocks.items():
+        out.update(_hf_entries(prefix, sources[prefix], ours))
+        if ours:
+            raise ValueError(
+                f"dtensor_moe.hf.to_hf_state_dict: {prefix.rstrip('.')} has state entries with "
+                f"no {sources[prefix].family} counterpart: {sorted(ours)}"
+            )
+    return out

@@ -1,0 +1,226 @@
+"""``dtensor_moe.hf``: HF MoE blocks swapped for ``MoE`` give the same model, and back.
+
+Every family is a tiny random ``AutoModelForCausalLM`` built from its config class (no
+download). The reference is the untouched HF model (a deep copy taken before the swap).
+"""
+
+# ruff: noqa: N806
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers", reason="the hf extra is part of the test extra")
+
+from dtensor_moe import MoE, hf  # noqa: E402
+from tests._hf_models import FAMILIES, hf_config, hf_model  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, msg: str) -> None:
+    """Within 1e-5 relative to the largest magnitude of ``expected`` (fp32)."""
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(actual, expected, rtol=TOL, atol=TOL * scale, msg=msg)
+
+
+def _forward_backward(model, ids, grad_seed=1):
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+    logits = model(inputs_embeds=emb).logits
+    g = torch.randn(logits.shape, generator=torch.Generator().manual_seed(grad_seed))
+    (logits * g).sum().backward()
+    return logits.detach(), emb.grad
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_swapped_model_matches_hf(model_type):
+    ref = hf_model(model_type)
+    model = copy.deepcopy(ref)
+    names = hf.replace_moe_blocks(model)
+    sparse_layers = [1] if model_type in ("deepseek_v3", "glm4_moe") else [0, 1]
+    assert names == [f"model.layers.{i}.mlp" for i in sparse_layers]
+    for name in names:
+        assert isinstance(model.get_submodule(name), MoE), name
+    ids = torch.randint(0, 128, (3, 11), generator=torch.Generator().manual_seed(0))
+    logits, x_grad = _forward_backward(model, ids)
+    ref_logits, ref_x_grad = _forward_backward(ref, ids)
+    close(logits, ref_logits, f"{model_type}: logits")
+    close(x_grad, ref_x_grad, f"{model_type}: input-embedding grad")
+    # every param grad: the converted blocks' through the mapping of Note [HF block mapping],
+    # written out here independently of dtensor_moe.hf
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    theirs = {n: p.grad for n, p in ref.named_parameters()}
+    for name in names:
+        moe = model.get_submodule(name)
+        for key, grad in _hf_block_grads(moe).items():
+            close(grad, theirs.pop(f"{name}.{key}"), f"{model_type}: {name}.{key}.grad")
+        ours = {n: g for n, g in ours.items() if not n.startswith(f"{name}.")}
+    assert ours.keys() == theirs.keys()  # every HF param of the blocks was compared
+    assert ours.pop("model.embed_tokens.weight") is None  # inputs_embeds bypass the table
+    assert theirs.pop("model.embed_tokens.weight") is None
+    for n, grad in ours.items():
+        close(grad, theirs[n], f"{model_type}: {n}.grad")
+
+
+def _hf_block_grads(moe: MoE) -> dict[str, torch.Tensor]:
+    """A converted layer's param grads under the HF block's param names."""
+    ex, sh = moe.experts, moe.shared_experts
+    grads = {
+        "gate.weight": moe.router.gate.weight.grad,
+        "experts.gate_up_proj": torch.cat([ex.w1.grad, ex.w3.grad], dim=1),
+        "experts.down_proj": ex.w2.grad,
+    }
+    if sh is not None:
+        mlp = moe.hf_source.shared
+        grads[f"{mlp}.gate_proj.weight"] = sh.w1.weight.grad
+        grads[f"{mlp}.up_proj.weight"] = sh.w3.weight.grad
+        grads[f"{mlp}.down_proj.weight"] = sh.w2.weight.grad
+        if sh.gate is not None:
+            grads["shared_expert_gate.weight"] = sh.gate.weight.grad
+    return grads
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_state_dict_round_trip(model_type):
+    ref = hf_model(model_type)
+    model = copy.deepcopy(ref)
+    hf.replace_moe_blocks(model)
+    with torch.no_grad():  # train-like change, so the round trip is not of the initial weights
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
+    sd = hf.to_hf_state_dict(model)
+    fresh = hf_model(model_type, seed=123)
+    fresh.load_state_dict(sd, strict=True)
+    assert sd.keys() == ref.state_dict().keys()
+    for key, value in ref.state_dict().items():
+        assert sd[key].shape == value.shape and sd[key].dtype == value.dtype, key
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        close(fresh(ids).logits, model(ids).logits, f"{model_type}: reloaded logits")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_correction_bias_is_the_expert_bias(model_type):
+    ref = hf_model(model_type)
+    block = ref.model.layers[1].mlp
+    moe = hf.moe_from_hf(block)
+    bias = block.gate.e_score_correction_bias
+    assert moe.router.expert_bias.dtype == torch.float32
+    assert torch.equal(moe.router.expert_bias, bias)
+    cfg = ref.config
+    assert moe.config.score_func == "sigmoid" and moe.config.use_expert_bias
+    assert moe.config.route_scale == cfg.routed_scaling_factor
+    assert (moe.config.num_expert_groups, moe.config.num_limited_groups) == (
+        cfg.n_group, cfg.topk_group
+    )
+    assert moe.config.route_norm is cfg.norm_topk_prob
+    assert moe.config.shared_hidden_total == cfg.n_shared_experts * cfg.moe_intermediate_size
+    # the bias changes the choice: without it, some token picks other experts
+    x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        picked = moe.router(x).topk_ids_TK.sort(-1).values
+        moe.router.expert_bias.zero_()
+        unbiased = moe.router(x).topk_ids_TK.sort(-1).values
+    assert not torch.equal(picked, unbiased)
+
+
+def test_settings_are_read_from_the_block():
+    qwen2 = hf.moe_from_hf(hf_model("qwen2_moe").model.layers[0].mlp).config
+    assert (qwen2.route_norm, qwen2.shared_expert_gate, qwen2.shared_hidden_total) == (
+        False, True, 24
+    )
+    qwen3 = hf.moe_from_hf(hf_model("qwen3_moe").model.layers[0].mlp).config
+    assert (qwen3.route_norm, qwen3.num_shared_experts, qwen3.hidden_dim) == (True, 0, 16)
+    mixtral = hf.moe_from_hf(hf_model("mixtral").model.layers[0].mlp).config
+    assert (mixtral.route_norm, mixtral.score_func, mixtral.hidden_dim) == (True, "softmax", 64)
+    for model_type in FAMILIES:
+        block = next(m for n, m in hf_model(model_type).named_modules() if n.endswith("mlp")
+                     and hasattr(m, "experts"))
+        cfg = hf.moe_from_hf(block).config
+        assert (cfg.num_experts, cfg.top_k, cfg.aux_loss_coeff) == (8, 2, 0.0), model_type
+
+
+def test_dtype_device_mode_and_no_shared_storage():
+    block = hf_model("qwen2_moe").model.layers[0].mlp.to(torch.float64).eval()
+    moe = hf.moe_from_hf(block)
+    assert not moe.training
+    assert all(p.dtype == torch.float64 for p in moe.parameters())
+    with torch.no_grad():
+        block.experts.gate_up_proj.zero_()
+    assert moe.experts.w1.abs().sum() > 0
+
+
+def test_unsupported_blocks_and_settings():
+    supported = r"supported: MixtralSparseMoeBlock \(Mixtral\), Qwen2MoeSparseMoeBlock"
+    with pytest.raises(TypeError, match=r"torch\.nn\.modules\.linear\.Linear is not a "
+                       r"supported MoE block; " + supported):
+        hf.moe_from_hf(nn.Linear(2, 2))
+
+    class OtherMoeBlock(nn.Module):  # an MoE family we do not convert
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 2)
+            self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    model = hf_model("qwen3_moe")
+    model.model.layers[1].mlp = OtherMoeBlock()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TypeError, match=r"test_hf\.[\w.<>]*OtherMoeBlock is not a supported"):
+        hf.replace_moe_blocks(model)
+    assert isinstance(model.model.layers[0].mlp, type(hf_model("qwen3_moe").model.layers[0].mlp))
+    assert model.state_dict().keys() == before.keys()  # nothing swapped
+
+    with pytest.raises(ValueError, match=r"router jitter \(router_jitter_noise=0\.1\) in "
+                       r"training.*set config\.router_jitter_noise = 0"):
+        hf.replace_moe_blocks(hf_model("mixtral", router_jitter_noise=0.1))
+    with pytest.raises(ValueError, match=r"expert activation GELUActivation.*only SwiGLU"):
+        hf.moe_from_hf(hf_model("qwen3_moe", hidden_act="gelu").model.layers[0].mlp)
+    with pytest.raises(ValueError, match=r"output_router_logits=True.*set "
+                       r"model\.config\.output_router_logits = False"):
+        hf.replace_moe_blocks(hf_model("olmoe", output_router_logits=True))
+    with pytest.raises(ValueError, match=r"holds no supported MoE block"):
+        hf.replace_moe_blocks(nn.Sequential(nn.Linear(2, 2)))
+    plain = nn.Sequential(MoE(hf.moe_from_hf(hf_model("olmoe").model.layers[0].mlp).config))
+    with pytest.raises(ValueError, match=r"the MoE at '0' was not made by moe_from_hf"):
+        hf.to_hf_state_dict(plain)
+
+
+def test_config_class_builds_tiny_models_without_network():
+    # The fixtures build from config classes only: no hub access is attempted.
+    for model_type in FAMILIES:
+        assert hf_config(model_type).model_type == model_type
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT, **env},
+    )
+
+
+def test_import_dtensor_moe_does_not_import_transformers():
+    run = _python("import sys, dtensor_moe; print('transformers' in sys.modules)")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+
+
+def test_missing_extra_says_how_to_install():
+    # transformers made unimportable, as on a venv without the hf extra
+    run = _python(
+        "import sys; sys.modules['transformers'] = None\n"
+        "import dtensor_moe\n"
+        "try:\n"
+        "    from dtensor_moe import hf\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    assert run.returncode == 0, run.stderr
+    assert 'pip install "dtensor_moe[hf]"' in run.stdout, run.stdout

@@ -1,7 +1,7 @@
 """Tiny random Hugging Face MoE models, built from their config classes (no download).
 
-Shared by ``tests/test_hf.py`` and ``docs/examples/hf_moe_parallel.py``'s test. Every config
-has 2 layers with at least one MoE block, 8 experts and top-2 (DeepSeek-style routers with 4
+Used by ``tests/test_hf.py`` (``docs/examples/hf_moe_parallel.py`` carries its own copy of the
+Qwen3-MoE and DeepSeek-V3 settings, so that it runs without the tests). Every config has 2 layers with at least one MoE block, 8 experts and top-2 (DeepSeek-style routers with 4
 groups of which a token may use 2, or 2 of which it may use 1), fp32.
 """
 

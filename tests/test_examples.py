@@ -33,7 +33,6 @@ HF_LAUNCHERS = {
 def test_hf_moe_parallel_example(launcher, tmp_path):
     # Four gloo processes, plain or under torchrun; the script checks its own parity with the
     # HF model trained in one process, and its DCP save and HF export.
-    pytest.importorskip("transformers", reason="the hf extra is part of the test extra")
     out = tmp_path / "out"
     cmd = [sys.executable, *HF_LAUNCHERS[launcher], "docs/examples/hf_moe_parallel.py",
            "--out", str(out)]

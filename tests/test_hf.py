@@ -17,10 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("transformers", reason="the hf extra is part of the test extra")
-
-from dtensor_moe import MoE, hf  # noqa: E402
-from tests._hf_models import FAMILIES, hf_config, hf_model  # noqa: E402
+from dtensor_moe import MoE, hf  # the test extra includes the hf extra: no skip
+from tests._hf_models import FAMILIES, hf_config, hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5

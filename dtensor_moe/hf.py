@@ -222,8 +222,10 @@ def _config_of(family: _Family, block: nn.Module) -> MoEConfig:
 def moe_from_hf(block: nn.Module) -> MoE:
     """One HF sparse MoE block as a :class:`MoE` with the same weights and math.
 
-    The new layer has the block's dtype and device and its training mode; it shares no storage
-    with the block. Its ``hf_source`` records the family (used by :func:`to_hf_state_dict`).
+    The new layer has the experts' dtype, the block's device and its training mode; the router
+    gate keeps the HF gate's dtype and the correction bias stays float32 (a bf16 DeepSeek-V3
+    keeps both in float32 and routes in float32, and so does the converted layer). It shares no
+    storage with the block. Its ``hf_source`` records the family (used by :func:`to_hf_state_dict`).
 
     Raises:
         TypeError: ``block`` is not one of :data:`SUPPORTED_BLOCKS`.
@@ -233,11 +235,13 @@ def moe_from_hf(block: nn.Module) -> MoE:
     family = _family_of(block)
     _check_block(family, block)
     config = _config_of(family, block)
-    weight = block.gate.weight
-    moe = MoE(config).to(device=weight.device, dtype=weight.dtype)
-    H = config.hidden_dim
     gate_up = block.experts.gate_up_proj
-    moe.router.gate.weight.copy_(weight)
+    moe = MoE(config).to(device=gate_up.device, dtype=gate_up.dtype)
+    H = config.hidden_dim
+    # The router keeps HF's gate dtype: DeepSeek-V3 and GLM4-MoE keep theirs in float32 in a
+    # bf16 model, and our router then computes its logits in float32 too, as theirs does.
+    weight = block.gate.weight
+    moe.router.gate.weight = nn.Parameter(weight.detach().clone(), weight.requires_grad)
     moe.experts.w1.copy_(gate_up[:, :H])
     moe.experts.w3.copy_(gate_up[:, H:])
     moe.experts.w2.copy_(block.experts.down_proj)

@@ -222,3 +222,39 @@ def test_missing_extra_says_how_to_install():
     )
     assert run.returncode == 0, run.stderr
     assert 'pip install "dtensor_moe[hf]"' in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral"])
+def test_bf16_model_routes_like_hf(model_type):
+    # HF keeps DeepSeek-V3's and GLM4-MoE's gate weight and correction bias in float32 in a bf16
+    # model and routes in float32; the converted layer keeps those dtypes and routes the same.
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_config(hf_config(model_type), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for src, dst in zip(hf_model(model_type).parameters(), ref.parameters()):
+            dst.copy_(src)  # the decisive fp32 weights of hf_model, in HF's bf16 layout
+        for src, dst in zip(hf_model(model_type).buffers(), ref.buffers()):
+            dst.copy_(src)
+    model = copy.deepcopy(ref)
+    names = hf.replace_moe_blocks(model)
+    for name in names:
+        block, moe = ref.get_submodule(name), model.get_submodule(name)
+        assert moe.router.gate.weight.dtype == block.gate.weight.dtype
+        assert moe.experts.w1.dtype == torch.bfloat16
+        if moe.router.expert_bias is not None:
+            assert moe.router.expert_bias.dtype == torch.float32
+        x = torch.randn(40, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
+        with torch.no_grad():
+            _, hf_weights, hf_ids = block.gate(x)
+            routing = moe.router(x)
+        assert torch.equal(routing.topk_ids_TK.sort(-1).values, hf_ids.sort(-1).values), name
+        order_ours, order_hf = routing.topk_ids_TK.argsort(-1), hf_ids.argsort(-1)
+        torch.testing.assert_close(
+            routing.topk_scores_TK.gather(-1, order_ours).float(),
+            hf_weights.gather(-1, order_hf).float(), rtol=1e-2, atol=1e-2,
+        )
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = model(ids).logits.float(), ref(ids).logits.float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))

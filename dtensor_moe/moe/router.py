@@ -162,6 +162,9 @@ class TokenChoiceTopKRouter(nn.Module):
         the last :func:`~dtensor_moe.moe.update_expert_bias`, counted in training mode and not
         again during activation-checkpoint recompute.
 
+    The logits are computed in the gate weight's dtype (the input is cast to it): a float32 gate
+    in a bf16 model routes in float32, as DeepSeek-V3's router does.
+
     Attributes:
         last_aux_loss: detached value of the last auxiliary loss, for logging only (``None``
             before the first training forward or when the loss is disabled). Nothing reads it.
@@ -193,7 +196,7 @@ class TokenChoiceTopKRouter(nn.Module):
         """
         cfg = self.config
         self._check_input(x_TD, num_sequences)
-        scores_TE = self.scores(self.gate(x_TD))
+        scores_TE = self.scores(self.gate(x_TD.to(self.gate.weight.dtype)))
         topk_ids_TK = self.select(scores_TE)
         topk_scores_TK = self.combine_weights(scores_TE, topk_ids_TK)
         counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)

@@ -159,7 +159,7 @@ class TokenParallelForward:
             (tokens.x, moe.router.gate.weight, *shared_ws), tokens.region_output
         )
         x_TD = x_local.reshape(-1, D)
-        logits_TE = F.linear(x_TD, gate_local)
+        logits_TE = F.linear(x_TD.to(gate_local.dtype), gate_local)  # as the router: gate dtype
         routing = self._route(moe.router, logits_TE, tokens, x_TD.dtype, batch=B, seq_len=L)
         y_TD = moe.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
         if isinstance(y_TD, DTensor):  # expert TP: a Partial DTensor on the etp mesh

@@ -48,11 +48,14 @@ def clear_caches() -> None:
       handlers (Note [Aligned-slot cache], ``_compat.clear_aligned_caches``);
     - ``dtensor_moe._compat._GRAD_SPECS``: gradient specs of ``local_views`` per DTensor spec
       (Note [Gradient-spec cache]);
-    - ``dtensor_moe.optim.fast_step._VERDICTS`` and ``_GROUP_KEYS``: whether an optimizer's
-      params qualify for the fast step, and their one (device, dtype) group
-      (Note [Fast-step caches], ``fast_step.clear_caches``);
+    - ``dtensor_moe.optim.fast_step._GROUP_KEYS``: the one (device, dtype) group of a set of
+      local param tensors (Note [Fast-step caches], ``fast_step.clear_caches``);
     - ``dtensor_moe.parallel.token_parallel._CHECKED``: dispatchers found compatible with a
       token-parallel forward (Note [Checked dispatchers]).
+
+    State that belongs to one object lives on it, not here: whether an optimizer qualifies for
+    the fast step (an attribute of the optimizer) and whether ``update_expert_bias`` has warned
+    about a module (an attribute of the module).
 
     Left alone: the memo of :func:`build_moe_meshes`, which holds its meshes weakly and must
     keep returning a mesh that is still in use (Note [Mesh memo]); the GradScaler handler's

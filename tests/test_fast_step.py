@@ -166,11 +166,12 @@ class FastStepDistTest(DistTestBase):
         grads = [p.grad for p in params]
         states = [torch.zeros_like(p) for p in params]
         steps = [torch.tensor(float(i)) for i in range(len(params))]
-        lists = [params, grads, states, [], steps]
+        lists = [params, grads, states, states, [], steps]  # fused Adam's layout
         local = [[_compat.local_tensor(t) if isinstance(t, DTensor) else t for t in ts] for ts in lists]
         grouping = torch.optim.Optimizer._group_tensors_by_device_and_dtype
         torchs = grouping.__wrapped__
         fast_step._STATE.local_grouping = True
+        fast_step._STATE.steps_list = (5, 6)  # as a fused Adam step sets them
         try:
             for with_indices in (False, True):
                 got = grouping(lists, with_indices=with_indices)
@@ -187,7 +188,7 @@ class FastStepDistTest(DistTestBase):
             # the fused kernel's DTensor handler then sees the slot, as without dtensor_moe.
             for dtype in (torch.bfloat16, torch.float64):
                 bad = [g.to(dtype) if i == 1 else g for i, g in enumerate(grads)]
-                got = grouping([params, bad, states, [], steps])
+                got = grouping([params, bad, states, states, [], steps])
                 self.assertIs(next(iter(got.values()))[0][1][1], bad[1])
             # Local tensors on two devices under one mesh (FSDP2's CPUOffloadPolicy on some
             # modules keeps their shards on the CPU while others sit on the GPU; here the
@@ -205,8 +206,14 @@ class FastStepDistTest(DistTestBase):
                 self.assertEqual(got[key][1], want[key][1])
                 for got_list, want_list in zip(got[key][0], want[key][0]):
                     self.assertTrue(all(map(lambda a, b: a is b, got_list, want_list)))
+            # A list of plain 0-dim tensors anywhere but state_steps is not aligned either
+            # (Note [Per-slot rule]): torch's grouping gets the DTensors, the handler raises.
+            zero_dim = [torch.tensor(0.0) for _ in params]
+            got = grouping([params, grads, zero_dim, states, [], steps])
+            self.assertIs(next(iter(got.values()))[0][0][0], params[0])
         finally:
             fast_step._STATE.local_grouping = False
+            fast_step._STATE.steps_list = None
         # Outside a fused fast step, torch's grouping is used unchanged (on the DTensors).
         got = grouping(lists)
         self.assertIs(next(iter(got.values()))[0][0][0], params[0])

@@ -40,7 +40,7 @@ class OptimizerCachesTest(TestCase):
         state = opt.state[params[0]]
         watched = [opt, params[0], params[0]._spec, params[0].grad._spec, state["exp_avg"],
                    state["exp_avg"]._spec, state["step"], params[0]._local_tensor]
-        sizes = (len(_compat._ALIGNED), len(fast_step._GROUP_KEYS), len(fast_step._VERDICTS))
+        sizes = (len(_compat._ALIGNED), len(fast_step._GROUP_KEYS))
         return [weakref.ref(o) for o in watched], sizes
 
     def test_deleted_optimizer_and_params_are_not_kept(self):
@@ -55,9 +55,27 @@ class OptimizerCachesTest(TestCase):
                 self.assertEqual([r() is None for r in refs], [True] * len(refs))
                 # ... and their entries died with the tensors (no need to wait for the bound)
                 self.assertEqual(
-                    (len(_compat._ALIGNED), len(fast_step._GROUP_KEYS), len(fast_step._VERDICTS)),
-                    (0, 0, 0),
+                    (len(_compat._ALIGNED), len(fast_step._GROUP_KEYS)),
+                    (0, 0),
                 )
+
+    def test_optimizer_kept_alive_by_nothing_of_ours(self):
+        # A param that refers back to its optimizer (a user's bookkeeping, a hook closure) made
+        # a module-level cache holding the params keep the optimizer alive for good. The
+        # fast-step verdict now lives on the optimizer itself.
+        for enabled in (True, False):
+            with fast_paths(enabled):
+                mesh = init_device_mesh("cpu", (1,))
+                params = [distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])]
+                params[0].grad = torch.ones_like(params[0])
+                opt = torch.optim.AdamW(params, lr=0.1, fused=True)
+                opt.step()
+                params[0].owner = opt  # a cycle through the param
+                ref = weakref.ref(opt)
+                del opt, params
+                _compat.clear_sharding_prop_cache()
+                gc.collect()
+                self.assertIsNone(ref(), f"fast paths {enabled}: the optimizer was kept alive")
 
     def test_clear_functions_empty_the_caches(self):
         mesh = init_device_mesh("cpu", (1,))
@@ -71,8 +89,8 @@ class OptimizerCachesTest(TestCase):
         _compat.clear_aligned_caches()
         fast_step.clear_caches()
         self.assertEqual(
-            (len(_compat._ALIGNED), len(fast_step._GROUP_KEYS), len(fast_step._VERDICTS)),
-            (0, 0, 0),
+            (len(_compat._ALIGNED), len(fast_step._GROUP_KEYS)),
+            (0, 0),
         )
         opt.step()  # and they refill
         self.assertGreater(len(_compat._ALIGNED), 0)

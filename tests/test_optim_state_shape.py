@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
@@ -58,6 +58,35 @@ class StateShapeTest(DistTestBase):
         # twice in a row: the aligned-slot cache must not let the second call through
         with torch.no_grad(), self.assertRaisesRegex(ValueError, _MSG):
             torch._fused_adam_(*args, **kw)
+
+    @with_comms
+    def test_zero_dim_state_outside_state_steps_raises(self):
+        # A 0-dim tensor is fine in state_steps only; as exp_avg_sq (plain or a Replicate
+        # DTensor) the kernel would read past it (measured: the process aborted).
+        msg = (r"slot 1 of 'exp_avg_sqs' does not follow param 1: its shape \(\) differs from "
+               r"the param's \(8, 4\)")
+        mesh = init_device_mesh("cpu", (4,))
+        scalars = {
+            "plain": lambda: torch.tensor(0.0),
+            "Replicate DTensor": lambda: distribute_tensor(torch.tensor(0.0), mesh, [Replicate()]),
+        }
+        for name, make in scalars.items():
+            for enabled in (True, False):
+                with fast_paths(enabled):
+                    params, _ = self._setup()
+                    opt = torch.optim.Adam(params, lr=0.1, fused=True)
+                    opt.step()
+                    opt.state[params[1]]["exp_avg_sq"] = make()
+                    with CommDebugMode() as comm, self.assertRaisesRegex(ValueError, msg,
+                                                                         msg=name):
+                        opt.step()
+                    self.assertEqual(comm.get_total_counts(), 0)
+                    # a whole list of plain 0-dim states (every exp_avg_sq) is no step list
+                    for p in params:
+                        opt.state[p]["exp_avg_sq"] = torch.tensor(0.0)
+                    with self.assertRaisesRegex(ValueError, r"'exp_avg_sqs' does not follow"):
+                        opt.step()
+        dist.barrier()
 
     @with_comms
     def test_optimizer_step_with_a_bad_state_raises(self):

@@ -68,15 +68,13 @@ class TokenShardMetaTest(TestCase):
                     length, offset = _torch_split(meta, rank)
                     self.assertEqual(meta.local_len(rank), length)
                     self.assertEqual(meta.offset(rank), offset)
-                    self.assertLessEqual(length, meta.padded_len)
-            self.assertEqual(meta.padded_len, -(-meta.dim_len // world))
+                    self.assertLessEqual(length, -(-meta.dim_len // world))  # DTensor's chunk
             self.assertEqual(sum(meta.local_lens), meta.dim_len)
 
     def test_known_splits(self):
         meta = TokenShardMeta.from_shape(2, 7, 4, shard_dim=1)
         self.assertEqual(meta.local_lens, (2, 2, 2, 1))
         self.assertEqual(meta.offsets, (0, 2, 4, 6))
-        self.assertEqual(meta.padded_len, 2)
         # ceil-sized chunks leave a trailing rank empty: 4 over 3 is [2, 2, 0], not [2, 1, 1]
         meta = TokenShardMeta.from_shape(1, 4, 3, shard_dim=1)
         self.assertEqual((meta.local_lens, meta.offsets), ((2, 2, 0), (0, 2, 4)))
@@ -84,7 +82,7 @@ class TokenShardMetaTest(TestCase):
         meta = TokenShardMeta.from_shape(1, 3, 4, shard_dim="flat")
         self.assertEqual((meta.local_lens, meta.offsets), ((1, 1, 1, 0), (0, 1, 2, 3)))
         meta = TokenShardMeta.from_shape(0, 5, 2, shard_dim="flat")
-        self.assertEqual((meta.local_lens, meta.padded_len), ((0, 0), 0))
+        self.assertEqual((meta.local_lens, meta.offsets), ((0, 0), (0, 0)))
 
     def test_none_is_flat_and_frozen(self):
         meta = TokenShardMeta.from_shape(2, 3, 2, None)
@@ -154,7 +152,7 @@ class TokenShardMetaDistributedTest(DistTestBase):
                 x_global, placement = x_BLD, Shard(shard_dim)
             x_dt = distribute_tensor(x_global, mesh, [placement])
             x_local = x_dt.to_local()
-            self.assertEqual(x_local.size(meta.tensor_dim), meta.local_len(rank))
+            self.assertEqual(x_local.size(1 if shard_dim == 1 else 0), meta.local_len(rank))
             self.assertEqual(x_local, _reference_shard(meta, x_BLD, rank).reshape(x_local.shape))
             self.assertEqual(
                 x_local.reshape(-1, D), x_BLD.reshape(-1, D)[meta.global_token_index(rank)]

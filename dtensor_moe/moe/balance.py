@@ -18,7 +18,6 @@ carries its own loss. The value is kept, detached, in ``router.last_aux_loss`` f
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -30,14 +29,15 @@ from dtensor_moe.moe.router import TokenChoiceTopKRouter
 
 __all__ = ["AuxLossBackward", "attach_aux_loss", "update_expert_bias"]
 
-_CHECKED: weakref.WeakSet = weakref.WeakSet()  # modules already checked by _warn_if_parallel
+# Set on a module once _warn_if_parallel has checked it: the state lives on the module itself.
+_CHECKED_ATTR = "_dtensor_moe_bias_update_checked"
 
 
 def _warn_if_parallel(module: nn.Module) -> None:
     """Warn once per module when a parallelized model updates its bias from local counters."""
-    if module in _CHECKED:
+    if getattr(module, _CHECKED_ATTR, False):
         return
-    _CHECKED.add(module)
+    object.__setattr__(module, _CHECKED_ATTR, True)
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
     if any(isinstance(p, DTensor) for p in module.parameters()):

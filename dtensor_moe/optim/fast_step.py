@@ -34,10 +34,17 @@ neither: we put our wrapper into that closure cell (``_compat.optimizer_step_bod
 * turning the fast paths off puts the original body back into the cell: exactly torch's ``step``
   again, and torch's profiling wrapper around it is untouched;
 * under ``torch.compile`` our wrapper is called *after* torch's graph break, so dynamo inlines it
-  (it calls the body unchanged while compiling) and the step has the same graph breaks and
-  frames as without dtensor_moe. A wrapper around ``step`` itself is one more Python frame on
-  the stack at that graph break, which costs one more break and one more frame (measured:
-  3 breaks and 11 frames against 2 and 10 for an AdamW step; a test pins the counts).
+  (it calls the body unchanged while compiling) and a for-loop or foreach step has the same
+  graph breaks and frames as without dtensor_moe (1 graph, 2 breaks, 10 frames for AdamW,
+  SGD and Adagrad; ``tests/test_optim_no_harm.py`` pins them). A wrapper around ``step``
+  itself is one more Python frame on the stack at that graph break, which costs one more break
+  and one more frame (measured: 3 breaks and 11 frames against 2 and 10 for an AdamW step).
+  A *fused* step still costs one more of each with the fast paths on (AdamW 5 breaks and 15
+  frames against 4 and 14; SGD and Adagrad 4 and 13 against 3 and 12): torch breaks again
+  inside the body, at its dynamo-disabled ``_fused_adam``, and our wrapper is one more frame on
+  the stack there. Results are the same; ``set_fast_paths(False)`` gives torch's counts (the
+  test pins both). Neither ``torch._dynamo.substitute_in_graph`` on the wrapper nor skipping
+  its code object removed the frame (measured).
 
 Note [Local grouping]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -66,7 +73,6 @@ import functools
 import itertools
 import operator
 import threading
-import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -97,21 +103,21 @@ _MARK = "_dtensor_moe_fast_step"
 # ============  =================================  ==============================================
 # cache         key -> value                       bound and lifetime
 # ============  =================================  ==============================================
-# _VERDICTS     optimizer (weakly) -> (its groups'  one entry per live optimizer, dropped with the
-#               params when checked, verdict)      optimizer; holds params the optimizer holds
 # _GROUP_KEYS   (len, id(first local param)) ->    64 entries (emptied when full); an entry is
 #               (device, dtype) or None, checked   dropped as soon as one of its local tensors
 #               on the ids of all local params     dies (weak references; Note [Caches hold no
 #                                                  tensors] in _compat.py)
 # ============  =================================  ==============================================
-# ``clear_caches()`` empties both.
-_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# ``clear_caches()`` empties it. Whether an optimizer's params qualify for the fast step is not
+# a module-level cache: it is kept on the optimizer itself, in the attribute ``_VERDICT_ATTR``
+# (its param lists when checked, and the verdict), so it lives and dies with the optimizer and
+# holds nothing the optimizer does not hold already.
 _GROUP_KEYS = _compat.GuardedCache(64)
+_VERDICT_ATTR = "_dtensor_moe_fast_step_verdict"
 
 
 def clear_caches() -> None:
     """Empty the fast-step caches (Note [Fast-step caches]); the next step rebuilds them."""
-    _VERDICTS.clear()
     _GROUP_KEYS.clear()
 
 
@@ -133,11 +139,12 @@ def fast_step_applies(optimizer: torch.optim.Optimizer) -> bool:
     changes (one identity pass per step).
     """
     groups = optimizer.param_groups
-    cached = _VERDICTS.get(optimizer)
+    cached = getattr(optimizer, _VERDICT_ATTR, None)
     if cached is not None and _same_params(cached[0], groups):
         return cached[1]
     verdict = _check_params(groups)
-    _VERDICTS[optimizer] = (tuple(tuple(g["params"]) for g in groups), verdict)
+    # on the optimizer itself: it holds these params anyway, and the verdict dies with it
+    setattr(optimizer, _VERDICT_ATTR, (tuple(tuple(g["params"]) for g in groups), verdict))
     return verdict
 
 
@@ -158,24 +165,45 @@ def _check_params(groups: list) -> bool:
 
 class _StepState(threading.local):
     local_grouping = False  # inside a fast step whose groups are all fused
+    # (index of ``state_steps``, number of lists) in the grouping call of the running fused
+    # step (None: no such list); only that list may hold plain 0-dim tensors (Note [Per-slot
+    # rule] in fused.py)
+    steps_list: tuple[int, int] | None = None
+
+
+# Where ``state_steps`` sits in the lists each fused step hands to torch's grouping (torch 2.13:
+# Adam/AdamW ``[params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps]``, Adagrad
+# ``[params, grads, state_sums, state_steps]``, SGD none). Keyed by the class whose ``step``
+# body it is (AdamW inherits Adam's). A call with another number of lists matches nothing, and
+# its plain lists then take the careful path.
+_STEPS_LIST: dict[type, tuple[int, int] | None] = {
+    torch.optim.Adam: (5, 6),
+    torch.optim.Adagrad: (3, 4),
+    torch.optim.SGD: None,
+}
 
 
 _STATE = _StepState()
 
 
-def _wrap_body(body):
-    """The fast version of an optimizer's undecorated ``step`` body (Note [Fast step])."""
+def _wrap_body(body, steps_list: tuple[int, int] | None):
+    """The fast version of an optimizer's undecorated ``step`` body (Note [Fast step]).
+
+    ``steps_list``: where ``state_steps`` sits in the lists that the fused step of this body
+    hands to torch's grouping function (``_STEPS_LIST``).
+    """
 
     @functools.wraps(body)
     def fast_step(self, closure=None):
         if closure is None and not torch.compiler.is_compiling() and fast_step_applies(self):
-            outer = _STATE.local_grouping
+            outer = _STATE.local_grouping, _STATE.steps_list
             _STATE.local_grouping = all(g.get("fused") for g in self.param_groups)
+            _STATE.steps_list = steps_list
             try:
                 with _compat.subclass_torch_function_disabled():
                     return body(self)
             finally:
-                _STATE.local_grouping = outer
+                _STATE.local_grouping, _STATE.steps_list = outer
         return body(self, closure)
 
     setattr(fast_step, _MARK, True)
@@ -208,7 +236,10 @@ def local_lists_if_aligned(tensorlistlist: list) -> tuple[tuple, list] | None:
                 return None
             out.append(list(values))  # new lists, as torch's grouping returns
             continue
-        local = _compat.locals_if_aligned(p_specs, values, None, slot_key=("local-grouping", idx))
+        local = _compat.locals_if_aligned(
+            p_specs, values, None, slot_key=("local-grouping", idx),
+            scalars=(idx, len(tensorlistlist)) == _STATE.steps_list,
+        )
         if local is None:
             return None
         out.append(local)
@@ -259,7 +290,8 @@ def _make_local_grouping(original):
     return group_tensors_by_device_and_dtype
 
 
-# (closure cell, torch's original body) for each distinct ``step`` of FAST_STEP_CLASSES.
+# (closure cell, torch's original body, its _STEPS_LIST entry) for each distinct ``step`` of
+# FAST_STEP_CLASSES.
 _BODIES: list[tuple] = []
 
 
@@ -274,21 +306,22 @@ def _body_cells() -> list[tuple]:
             body = cell.cell_contents
             while getattr(body, _MARK, False):  # a wrapper left by an earlier copy of us
                 body = body.__wrapped__
-            _BODIES.append((cell, body))
+            owner = next(c for c in _STEPS_LIST if issubclass(cls, c))
+            _BODIES.append((cell, body, _STEPS_LIST[owner]))
     return _BODIES
 
 
 def install_fast_step() -> None:
     """Wrap the body of ``step`` of :data:`FAST_STEP_CLASSES` and torch.optim's tensor grouping
     (idempotent); see Note [Fast step] and Note [Local grouping]."""
-    for cell, body in _body_cells():
+    for cell, body, steps_list in _body_cells():
         if cell.cell_contents is body:
-            cell.cell_contents = _wrap_body(body)
+            cell.cell_contents = _wrap_body(body, steps_list)
     _compat.patch_optimizer_grouping(_make_local_grouping)
 
 
 def uninstall_fast_step() -> None:
     """Put torch's own ``step`` bodies and grouping function back (the same objects)."""
-    for cell, body in _BODIES:
+    for cell, body, _ in _BODIES:
         cell.cell_contents = body
     _compat.unpatch_optimizer_grouping()

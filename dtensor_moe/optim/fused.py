@@ -10,11 +10,15 @@ A fused optimizer op takes parallel tensor lists: ``self`` (the params), ``grads
 * a tensor in slot *i* must live on param *i*'s mesh; a different mesh is a user error
   (``ValueError`` naming the slot, the argument and both meshes). Nothing ever moves across
   meshes, and the check runs before any communication, so every rank fails the same way.
-* a tensor with the param's shape must carry the param's placements. If it carries other
-  placements on the same mesh, it is redistributed on that mesh only, the op runs, and mutated
-  arguments are written back in their original placements.
-* a 0-dim tensor in a per-param list (``state_steps``) must be ``Replicate`` on the param's
-  mesh, or a plain tensor (which is what ``torch.optim`` creates).
+* a tensor in a per-param state list (grads, ``exp_avgs``, ...) must have the param's global
+  shape; any other shape, a 0-dim tensor included, is a ``ValueError`` naming the slot (the
+  kernel would read past the smaller tensor). It must carry the param's placements; if it
+  carries other placements on the same mesh, it is redistributed on that mesh only, the op
+  runs, and mutated arguments are written back in their original placements.
+* an entry of the per-param scalar list ``state_steps`` must be 0-dim: ``Replicate`` on the
+  param's mesh, or a plain tensor (which is what ``torch.optim`` creates). Only that list may
+  hold 0-dim tensors beside param-shaped params, on every path (this handler, the fast entry
+  and the local grouping of ``fast_step.py``).
 * global scalars (a tensor ``lr``, ``grad_scale``, ``found_inf``) are plain tensors or
   replicated DTensors; they are passed to the kernel as local tensors and never decide a mesh.
 
@@ -53,6 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
+_STEPS_ARG = "state_steps"  # the one per-param list of 0-dim tensors (Note [Per-slot rule])
 
 _FUSED_PACKETS = (
     "_fused_adam_",
@@ -170,29 +175,24 @@ def _slot_target(op, arg: str, slot: int, param, value) -> tuple | None:
     mesh) to redistribute it to.
     """
     p_is_dt = isinstance(param, DTensor)
+    steps = arg == _STEPS_ARG
+    if steps and value.dim() != 0:
+        raise _slot_error(op, arg, slot, param, value, "a state_steps entry must be 0-dim")
+    if not steps and value.shape != param.shape:
+        raise _slot_error(
+            op, arg, slot, param, value,
+            f"its shape {tuple(value.shape)} differs from the param's {tuple(param.shape)}",
+        )
     if not isinstance(value, DTensor):
-        if p_is_dt and value.dim() != 0:
+        if p_is_dt and not steps:
             raise _slot_error(op, arg, slot, param, value, "mixes DTensor and torch.Tensor")
-        if not p_is_dt and value.dim() != 0 and value.shape != param.shape:
-            raise _slot_error(
-                op, arg, slot, param, value,
-                f"its shape {tuple(value.shape)} differs from the param's {tuple(param.shape)}",
-            )
         return None
     if not p_is_dt:
         raise _slot_error(op, arg, slot, param, value, "mixes torch.Tensor and DTensor")
     p_spec, v_spec = _compat.spec_of(param), _compat.spec_of(value)
     if v_spec.mesh is not p_spec.mesh and v_spec.mesh != p_spec.mesh:
         raise _slot_error(op, arg, slot, param, value, "it is on a different device mesh")
-    if value.dim() == 0:
-        target = (Replicate(),) * p_spec.mesh.ndim
-    elif value.shape != param.shape:
-        raise _slot_error(
-            op, arg, slot, param, value,
-            f"its shape {tuple(value.shape)} differs from the param's {tuple(param.shape)}",
-        )
-    else:
-        target = p_spec.placements
+    target = (Replicate(),) * p_spec.mesh.ndim if steps else p_spec.placements
     return None if v_spec.placements == target else target
 
 
@@ -222,7 +222,9 @@ def _local_list(op, arg: str, params: list, p_specs, values: list, specs_out):
             f"{op}: '{arg}' has {len(values)} tensors but 'self' has {len(params)} params; "
             "each list must be empty or have one tensor per param."
         )
-    fast = _compat.locals_if_aligned(p_specs, values, specs_out, slot_key=(op, arg))
+    fast = _compat.locals_if_aligned(
+        p_specs, values, specs_out, slot_key=(op, arg), scalars=arg == _STEPS_ARG
+    )
     if fast is not None:
         return fast
     targets = [_slot_target(op, arg, i, p, v) for i, (p, v) in enumerate(zip(params, values))]

@@ -71,17 +71,17 @@ ShardDim: TypeAlias = Literal[1, "flat"]
 _SHARD_DIMS: tuple[ShardDim, ...] = (1, "flat")
 
 
-def _split(n: int, world: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """DTensor's uneven ``Shard`` split of ``n`` over ``world``: (lengths, offsets, padded_len).
+def _split(n: int, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """DTensor's uneven ``Shard`` split of ``n`` over ``world``: (lengths, offsets).
 
     Mirrors ``Shard.local_shard_size_and_offset`` (torch 2.13): chunk ``ceil(n / world)``,
-    offset ``min(n, chunk * r)``, length clipped at ``n`` and at zero.
+    offset ``min(n, chunk * r)``, length clipped at ``n`` and at zero (so the lengths sum to
+    ``n``; ``tests/test_padding.py`` checks every split against DTensor's).
     """
-    padded_len = -(-n // world)
-    offsets = tuple(min(n, padded_len * r) for r in range(world))
-    lengths = tuple(max(0, min(n, padded_len * (r + 1)) - padded_len * r) for r in range(world))
-    assert sum(lengths) == n, f"split of {n} over {world} lost elements: {lengths}"
-    return lengths, offsets, padded_len
+    chunk = -(-n // world)
+    offsets = tuple(min(n, chunk * r) for r in range(world))
+    lengths = tuple(max(0, min(n, chunk * (r + 1)) - chunk * r) for r in range(world))
+    return lengths, offsets
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,13 +102,12 @@ class TokenShardMeta:
     Derived fields:
         local_lens: real length of every rank along the split dim (DTensor's uneven split).
         offsets: global offset of every rank along the split dim.
-        padded_len: ``ceil(n / world)``, DTensor's chunk length.
 
     Example::
 
         >>> meta = TokenShardMeta.from_shape(2, 7, 4, shard_dim=1)
-        >>> meta.local_lens, meta.offsets, meta.padded_len
-        ((2, 2, 2, 1), (0, 2, 4, 6), 2)
+        >>> meta.local_lens, meta.offsets
+        ((2, 2, 2, 1), (0, 2, 4, 6))
     """
 
     batch_size: int
@@ -117,7 +116,6 @@ class TokenShardMeta:
     shard_dim: ShardDim
     local_lens: tuple[int, ...] = field(init=False)
     offsets: tuple[int, ...] = field(init=False)
-    padded_len: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.shard_dim is None:
@@ -139,10 +137,9 @@ class TokenShardMeta:
                 f"B*L tokens; None is an alias), got {self.shard_dim!r}; for a Shard(1) "
                 "placement pass 1, for a split of the (B*L, D) view pass 'flat'"
             )
-        lengths, offsets, padded_len = _split(self.dim_len, self.world)
+        lengths, offsets = _split(self.dim_len, self.world)
         object.__setattr__(self, "local_lens", lengths)
         object.__setattr__(self, "offsets", offsets)
-        object.__setattr__(self, "padded_len", padded_len)
 
     @classmethod
     def from_shape(
@@ -157,11 +154,6 @@ class TokenShardMeta:
     def dim_len(self) -> int:
         """``n``: the global extent of the split dim (``L`` or ``B * L``)."""
         return self.seq_len if self.shard_dim == 1 else self.batch_size * self.seq_len
-
-    @property
-    def tensor_dim(self) -> int:
-        """The dim of the local tensor that is split: 1 for ``Shard(1)``, 0 for ``"flat"``."""
-        return 1 if self.shard_dim == 1 else 0
 
     # -- per-rank quantities ----------------------------------------------------------------
 

@@ -39,6 +39,11 @@ GLM4-MoE       picks the experts (group-    ``n_shared_experts * moe_intermediat
                ``routed_scaling_factor``
 =============  ===========================  ================================================
 
+The other families of ``_FAMILIES`` (Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3.2, Kimi-Linear, ...;
+``docs/hf.md`` lists them) follow one of these two routing patterns, with or without a shared
+MLP and its sigmoid gate. A family is matched by its block's exact class, by module and class
+name, so that looking does not import every transformers model.
+
 The shared MLP's ``gate_proj``/``up_proj``/``down_proj`` become ``shared_experts.w1``/``w3``/
 ``w2`` (one fused shared expert: ``num_shared_experts=1`` with the MLP's whole hidden width),
 Qwen2-MoE's ``shared_expert_gate`` becomes ``shared_experts.gate``
@@ -53,7 +58,7 @@ which :func:`to_hf_state_dict` uses to write the HF keys back.
 
 from __future__ import annotations
 
-import importlib
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -93,27 +98,66 @@ class _Family:
     shared_gate: str | None  # attribute of the shared MLP's sigmoid gate (Qwen2-MoE)
     always_normalised: bool = False  # Mixtral's router renormalises without a flag
 
-    def block_class(self) -> type | None:
-        try:
-            return getattr(importlib.import_module(self.module), self.block)
-        except (ImportError, AttributeError):
-            return None
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` is exactly this family's block class (no subclass): compared by
+        module and class name, so no transformers model module is imported to find out."""
+        cls = type(module)
+        if cls.__module__ != self.module or cls.__qualname__ != self.block:
+            return False
+        return getattr(sys.modules.get(self.module), self.block, None) is cls
 
 
+def _softmax(name: str, model: str, block: str, *, shared: str | None = None,
+             shared_gate: str | None = None, always_normalised: bool = False) -> _Family:
+    """A family routed like Mixtral/Qwen: softmax, top-k, renormalised per ``norm_topk_prob``
+    (or always, for routers without that flag)."""
+    return _Family(name, f"transformers.models.{model}.modeling_{model}", block,
+                   grouped_sigmoid=False, shared=shared, shared_gate=shared_gate,
+                   always_normalised=always_normalised)
+
+
+def _sigmoid(name: str, model: str, block: str, *, shared: str | None = "shared_experts"
+             ) -> _Family:
+    """A family routed like DeepSeek-V3: sigmoid, correction bias, group-limited, scaled."""
+    return _Family(name, f"transformers.models.{model}.modeling_{model}", block,
+                   grouped_sigmoid=True, shared=shared, shared_gate=None)
+
+
+# Every family here is checked by tests/test_hf.py on a tiny random model (transformers 5.24).
 _FAMILIES = (
-    _Family("Mixtral", "transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock",
-            grouped_sigmoid=False, shared=None, shared_gate=None, always_normalised=True),
-    _Family("Qwen2-MoE", "transformers.models.qwen2_moe.modeling_qwen2_moe",
-            "Qwen2MoeSparseMoeBlock", grouped_sigmoid=False, shared="shared_expert",
-            shared_gate="shared_expert_gate"),
-    _Family("Qwen3-MoE", "transformers.models.qwen3_moe.modeling_qwen3_moe",
-            "Qwen3MoeSparseMoeBlock", grouped_sigmoid=False, shared=None, shared_gate=None),
-    _Family("OLMoE", "transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock",
-            grouped_sigmoid=False, shared=None, shared_gate=None),
-    _Family("DeepSeek-V3", "transformers.models.deepseek_v3.modeling_deepseek_v3",
-            "DeepseekV3MoE", grouped_sigmoid=True, shared="shared_experts", shared_gate=None),
-    _Family("GLM4-MoE", "transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeMoE",
-            grouped_sigmoid=True, shared="shared_experts", shared_gate=None),
+    _softmax("Mixtral", "mixtral", "MixtralSparseMoeBlock", always_normalised=True),
+    _softmax("Qwen2-MoE", "qwen2_moe", "Qwen2MoeSparseMoeBlock", shared="shared_expert",
+             shared_gate="shared_expert_gate"),
+    _softmax("Qwen3-MoE", "qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    _softmax("OLMoE", "olmoe", "OlmoeSparseMoeBlock"),
+    _sigmoid("DeepSeek-V3", "deepseek_v3", "DeepseekV3MoE"),
+    _sigmoid("GLM4-MoE", "glm4_moe", "Glm4MoeMoE"),  # also Sarvam-MoE, which reuses it
+    _softmax("Qwen3-Next", "qwen3_next", "Qwen3NextSparseMoeBlock", shared="shared_expert",
+             shared_gate="shared_expert_gate"),
+    _softmax("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock", shared="shared_expert",
+             shared_gate="shared_expert_gate", always_normalised=True),
+    _softmax("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock",
+             always_normalised=True),
+    _softmax("Qwen3-Omni-MoE thinker", "qwen3_omni_moe", "Qwen3OmniMoeThinkerTextSparseMoeBlock"),
+    _softmax("Qwen3-Omni-MoE talker", "qwen3_omni_moe", "Qwen3OmniMoeTalkerTextSparseMoeBlock",
+             shared="shared_expert", shared_gate="shared_expert_gate"),
+    _softmax("Qwen4-Exp", "qwen4_exp", "Qwen4ExpTextSparseMoeBlock", shared="shared_expert",
+             shared_gate="shared_expert_gate"),
+    _softmax("MiniMax", "minimax", "MiniMaxSparseMoeBlock", always_normalised=True),
+    _softmax("FlexOlmo", "flex_olmo", "FlexOlmoSparseMoeBlock"),
+    _softmax("Mellum", "mellum", "MellumSparseMoeBlock"),
+    _softmax("Lara-Mini", "lara_mini", "LaraMiniSparseMoeBlock", shared="shared_expert"),
+    _sigmoid("DeepSeek-V3.2", "deepseek_v32", "DeepseekV32MoE"),
+    _sigmoid("dots1", "dots1", "Dots1MoE"),
+    _sigmoid("dots3-note", "dots3_note", "Dots3NoteTextMoE"),
+    _sigmoid("GLM4-MoE-Lite", "glm4_moe_lite", "Glm4MoeLiteMoE"),
+    _sigmoid("GLM4V-MoE", "glm4v_moe", "Glm4vMoeTextMoE"),
+    _sigmoid("GLM-MoE-DSA", "glm_moe_dsa", "GlmMoeDsaMoE"),
+    _sigmoid("EXAONE-MoE", "exaone_moe", "ExaoneMoeSparseMoEBlock"),
+    _sigmoid("Kimi-Linear", "kimi_linear", "KimiLinearMoE"),
+    _sigmoid("Bailing-Hybrid", "bailing_hybrid", "BailingHybridMoE"),
+    _sigmoid("Solar-Open", "solar_open", "SolarOpenMoE"),
+    _sigmoid("MiMo-V2-Flash", "mimo_v2_flash", "MiMoV2FlashMoE", shared=None),
 )
 
 #: Supported block class names, by family.
@@ -133,8 +177,7 @@ class HFSource:
 
 def _family_of(block: nn.Module) -> _Family:
     for family in _FAMILIES:
-        cls = family.block_class()
-        if cls is not None and type(block) is cls:
+        if family.matches(block):
             return family
     supported = ", ".join(f"{f.block} ({f.name})" for f in _FAMILIES)
     raise TypeError(
@@ -199,7 +242,13 @@ def _config_of(family: _Family, block: nn.Module) -> MoEConfig:
             family, f"has gate_up_proj of shape {tuple(experts.gate_up_proj.shape)}, not "
             f"(E, 2H, D) = {(num_experts, 2 * hidden, dim)}", "check the checkpoint")
     fields: dict = dict(dim=dim, hidden_dim=hidden, num_experts=num_experts, top_k=router.top_k)
-    fields["route_norm"] = True if family.always_normalised else bool(router.norm_topk_prob)
+    if family.always_normalised:
+        fields["route_norm"] = True
+    elif isinstance(getattr(router, "norm_topk_prob", None), bool):
+        fields["route_norm"] = router.norm_topk_prob
+    else:
+        raise _unsupported(family, f"has a router ({type(router).__name__}) without a boolean "
+                           "norm_topk_prob", "check the transformers version (5.x)")
     if family.grouped_sigmoid:
         fields.update(
             score_func="sigmoid",
@@ -287,7 +336,8 @@ def replace_moe_blocks(model: nn.Module) -> list[str]:
         TypeError: ``model`` holds an MoE block of an unsupported family.
     """
     config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else None
+    if any(getattr(c, "output_router_logits", False) for c in (config, text_config)):
         raise ValueError(
             "dtensor_moe.hf.replace_moe_blocks: the model has output_router_logits=True, whose "
             "auxiliary loss reads the logits of HF's own router modules and would silently "
@@ -298,9 +348,7 @@ def replace_moe_blocks(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, MoE):
             continue
-        if _looks_like_moe_block(module) or any(
-            type(module) is f.block_class() for f in _FAMILIES
-        ):
+        if _looks_like_moe_block(module) or any(f.matches(module) for f in _FAMILIES):
             family = _family_of(module)  # TypeError for an unsupported family
             _check_block(family, module)
             found.append((name, module))

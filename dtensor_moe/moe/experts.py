@@ -79,8 +79,67 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+# Note [grouped_mm under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch 2.13's fake (meta) implementation of ``torch._grouped_mm`` accepts bf16 only, although
+# the CPU kernel runs float32 too, so tracing a float32 layer stops with "Expected inputs of BF16
+# type". While compiling, the grouped matmuls therefore go through two custom ops of our own,
+# ``dtensor_moe::grouped_mm`` (``x_RI @ w_eOI[i].T`` per row group) and
+# ``dtensor_moe::grouped_mm_weight_grad`` (``grad_RO[g].T @ x_RI[g]`` per group, the weight
+# gradient), whose fakes give the output shapes and whose bodies call ``torch._grouped_mm``: the
+# compiled graph runs the same kernel, with the same arguments, as eager autograd does
+# (``tests/test_moe_compile.py`` checks outputs and gradients bit for bit against eager, and
+# keeps a test that the plain op still fails to trace in float32). Eager calls
+# ``torch._grouped_mm`` directly, with no custom-op overhead.
+
+
+@torch.library.custom_op("dtensor_moe::grouped_mm", mutates_args=())
+def _grouped_mm_op(x_RI: torch.Tensor, w_eOI: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(x_RI, w_eOI, offs_e):
+    return x_RI.new_empty(x_RI.shape[0], w_eOI.shape[1])
+
+
+@torch.library.custom_op("dtensor_moe::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(
+    grad_RO: torch.Tensor, x_RI: torch.Tensor, offs_e: torch.Tensor
+) -> torch.Tensor:
+    return torch._grouped_mm(grad_RO.t(), x_RI, offs=offs_e)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _grouped_mm_weight_grad_fake(grad_RO, x_RI, offs_e):
+    return grad_RO.new_empty(offs_e.shape[0], grad_RO.shape[1], x_RI.shape[1])
+
+
+def _grouped_mm_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x_RI, w_eOI, offs_e = inputs
+    ctx.save_for_backward(x_RI, w_eOI, offs_e)
+
+
+def _grouped_mm_backward(ctx: Any, grad_RO: torch.Tensor) -> tuple:
+    """The formulas of eager ``torch._grouped_mm``'s autograd (bit-identical results)."""
+    x_RI, w_eOI, offs_e = ctx.saved_tensors
+    grad_RO = grad_RO.contiguous()  # Note [grouped_mm expanded grad]
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _grouped_mm_op(grad_RO, w_eOI.transpose(-2, -1), offs_e)
+    if ctx.needs_input_grad[1]:
+        grad_w = _grouped_mm_weight_grad(grad_RO, x_RI, offs_e)
+    return grad_x, grad_w, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
 def _grouped_mm(x_RI: torch.Tensor, w_eOI: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
-    """``x_RI @ w_eOI[i].T`` per row group; see Note [grouped_mm expanded grad]."""
+    """``x_RI @ w_eOI[i].T`` per row group; see Note [grouped_mm expanded grad] and
+    Note [grouped_mm under torch.compile]."""
+    if torch.compiler.is_compiling():
+        return _grouped_mm_op(x_RI, w_eOI, offs_e)
     return _ContiguousGrad.apply(torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e))
 
 
@@ -179,6 +238,10 @@ def grouped_swiglu(
     e = w1_eHD.shape[0]
     if len(counts_e) != e:
         raise ValueError(f"counts_e has {len(counts_e)} entries but the weights hold {e} experts")
+    if torch.compiler.is_compiling() and not (
+        path in ("auto", "grouped_mm") and _grouped_mm_supported(x_RD, w1_eHD)
+    ):
+        return _host_count_paths(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path)
     counts = _host_counts(counts_e, path)
     chosen = resolve_compute_path(path, x_RD, w1_eHD, counts)
     if chosen != "grouped_mm" and counts is None:
@@ -195,11 +258,33 @@ def grouped_swiglu(
     return _swiglu_loop(x_RD, w1_eHD, w2_eDH, w3_eHD, counts)
 
 
+_HOST_COUNTS_REASON = (
+    "the loop and bmm expert paths (compute_path='loop'/'bmm', or 'auto' when torch._grouped_mm "
+    "does not support the dtype or the row alignment) split the rows by counts read on the "
+    "host, so they run eagerly: one graph break. compute_path='auto' or 'grouped_mm' with "
+    "float32/bf16 and dim, hidden_dim rows of a multiple of 16 bytes keeps the experts in the graph"
+)
+
+
+def _host_count_paths(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path) -> torch.Tensor:
+    """:func:`grouped_swiglu` on a path that reads the counts on the host, run eagerly while
+    compiling (one graph break, Note [MoE under torch.compile] in ``layer.py``) instead of
+    tracing one break per host read and recompiling for every new set of counts."""
+    return grouped_swiglu(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path)
+
+
+_host_count_paths = torch.compiler.disable(_host_count_paths, reason=_HOST_COUNTS_REASON)
+
+
 def _host_counts(counts_e: torch.Tensor | Sequence[int], path: ComputePath) -> list[int] | None:
-    """Counts as host ints, or ``None`` to leave accelerator counts unsynchronised."""
+    """Counts as host ints, or ``None`` to leave the counts on the device unread: accelerator
+    counts, and any counts while ``torch.compile`` traces (a host read is a graph break; see
+    Note [MoE under torch.compile] in ``layer.py``), for ``auto`` and ``grouped_mm``."""
     if not isinstance(counts_e, torch.Tensor):
         return [int(c) for c in counts_e]
-    if counts_e.device.type != "cpu" and path in ("auto", "grouped_mm"):
+    if path in ("auto", "grouped_mm") and (
+        counts_e.device.type != "cpu" or torch.compiler.is_compiling()
+    ):
         return None
     return counts_e.tolist()
 

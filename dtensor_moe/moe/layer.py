@@ -25,7 +25,7 @@ from dtensor_moe.moe.balance import attach_aux_loss
 from dtensor_moe.moe.config import MoEConfig
 from dtensor_moe.moe.dispatch import TokenDispatcher
 from dtensor_moe.moe.experts import GroupedExperts, SharedExperts
-from dtensor_moe.moe.router import TokenChoiceTopKRouter
+from dtensor_moe.moe.router import TokenChoiceTopKRouter, count_unless_recompute
 
 __all__ = ["MoE"]
 
@@ -44,6 +44,25 @@ class MoE(nn.Module):
 
     No collective runs in forward or backward of the single-process layer; parallel styles add
     them through the dispatcher and the DTensor weights.
+
+    Note [MoE under torch.compile]: in one process, ``torch.compile(moe)`` (or of a block that
+    holds it) traces the whole layer in float32 and bf16 with the default ``compute_path``:
+
+    * tokens per expert are counted with a static-shape ``scatter_add`` (``expert_counts``),
+      not ``bincount``, and the expert path reads no counts on the host while compiling;
+    * the grouped matmuls go through ``dtensor_moe::grouped_mm`` (Note [grouped_mm under
+      torch.compile] in ``experts.py``), which traces in float32 too;
+    * in training, the router's ``tokens_per_expert`` update runs eagerly, last in the forward,
+      so that an activation-checkpoint recompute does not count twice: the one graph break
+      (none in eval mode). ``fullgraph=True`` therefore works in eval mode and raises, in
+      training, a message saying to use ``fullgraph=False``;
+    * the ``loop``/``bmm`` paths (forced, or ``auto`` with a dtype or row alignment that
+      ``torch._grouped_mm`` does not take) need host counts, so they run eagerly: one more
+      break, counted once per nested frame unless ``torch._dynamo.config.nested_graph_breaks``
+      is set. ``pad_multiple > 1`` reads counts on the host too.
+
+    ``tests/test_moe_compile.py`` pins the break counts and checks outputs, input and param
+    gradients and the router buffers against eager, also under activation checkpointing.
 
     Note [Parallel forward hook]: ``parallel_forward`` is ``None`` unless a parallel style that
     changes how tokens reach the layer (tensor or sequence parallelism, see
@@ -89,13 +108,16 @@ class MoE(nn.Module):
         self._check_input(x)
         B, L, D = x.shape
         x_TD = x.reshape(B * L, D)
-        routing = self.router(x_TD, num_sequences=max(B, 1))
+        routing = self.router(x_TD, num_sequences=max(B, 1), count=False)
         y_TD = self.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         if routing.aux_loss is not None:
             y_TD = attach_aux_loss(y_TD, routing.aux_loss)
-        return y_TD.view(B, L, D)
+        y = y_TD.view(B, L, D)
+        if self.router.training:  # last, and from this frame: Note [MoE under torch.compile]
+            count_unless_recompute(self.router.tokens_per_expert, routing.counts_E)
+        return y
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 3 or x.shape[-1] != self.config.dim:

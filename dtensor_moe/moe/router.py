@@ -26,6 +26,7 @@ __all__ = [
     "RouterOutput",
     "TokenChoiceTopKRouter",
     "aux_loss_from_sums",
+    "expert_counts",
     "sequence_aux_loss",
     "sequence_sums",
 ]
@@ -48,6 +49,40 @@ class RouterOutput:
     topk_ids_TK: torch.Tensor
     counts_E: torch.Tensor
     aux_loss: torch.Tensor | None
+
+
+def expert_counts(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens sent to each of the ``num_experts`` experts (int64, shape ``(E,)``).
+
+    A ``scatter_add`` into ``E`` bins: the output shape never depends on the data, so
+    ``torch.compile`` traces it without a graph break (``bincount``'s output length depends on
+    the largest id, which dynamo cannot know). Integer sums: exact and deterministic.
+    """
+    ids_N = topk_ids_TK.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
+    return counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
+
+
+_COUNT_REASON = (
+    "dtensor_moe updates the router's tokens_per_expert counter eagerly, outside the graph, "
+    "because only at run time is it known whether a forward is an activation-checkpoint "
+    "recompute (which must not count twice). In training mode this is one graph break at the end "
+    "of the MoE forward: compile with fullgraph=False (or run the forward in eval mode, which "
+    "does not count)"
+)
+
+
+def count_unless_recompute(tokens_per_expert: torch.Tensor, counts_E: torch.Tensor) -> None:
+    """``tokens_per_expert += counts_E`` unless this runs inside a backward pass (recompute).
+
+    Run eagerly under ``torch.compile`` (one graph break); see ``_COUNT_REASON``.
+    """
+    if not _in_backward_pass():
+        with torch.no_grad():
+            tokens_per_expert.add_(counts_E)
+
+
+count_unless_recompute = torch.compiler.disable(count_unless_recompute, reason=_COUNT_REASON)
 
 
 def _in_backward_pass() -> bool:
@@ -186,8 +221,14 @@ class TokenChoiceTopKRouter(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate.weight, std=self.config.init_std)
 
-    def forward(self, x_TD: torch.Tensor, *, num_sequences: int = 1) -> RouterOutput:
+    def forward(
+        self, x_TD: torch.Tensor, *, num_sequences: int = 1, count: bool = True
+    ) -> RouterOutput:
         """Route ``x_TD``, whose ``T`` tokens are ``num_sequences`` sequences laid end to end.
+
+        ``count=False`` leaves ``tokens_per_expert`` to the caller (the :class:`MoE` layer
+        counts at the end of its forward, so that under ``torch.compile`` the update is one
+        graph break at the end, not one in the middle of the graph).
 
         The steps are public so that a parallel layer can run them on its own token split:
         ``gate`` -> :meth:`scores` -> :meth:`select` -> :meth:`combine_weights`, the counter
@@ -199,7 +240,7 @@ class TokenChoiceTopKRouter(nn.Module):
         scores_TE = self.scores(self.gate(x_TD.to(self.gate.weight.dtype)))
         topk_ids_TK = self.select(scores_TE)
         topk_scores_TK = self.combine_weights(scores_TE, topk_ids_TK)
-        counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
+        counts_E = expert_counts(topk_ids_TK, cfg.num_experts)
         aux_loss = None
         if self.training and cfg.aux_loss_coeff > 0:
             aux_loss = sequence_aux_loss(
@@ -209,7 +250,8 @@ class TokenChoiceTopKRouter(nn.Module):
                 coeff=cfg.aux_loss_coeff,
             )
             self.last_aux_loss = aux_loss.detach()
-        self.count_tokens(counts_E)
+        if count:
+            self.count_tokens(counts_E)
         return RouterOutput(
             topk_scores_TK=topk_scores_TK.to(x_TD.dtype),
             topk_ids_TK=topk_ids_TK,
@@ -253,11 +295,13 @@ class TokenChoiceTopKRouter(nn.Module):
     def count_tokens(self, counts_E: torch.Tensor) -> None:
         """Add ``counts_E`` to ``tokens_per_expert`` in training mode, except during recompute.
 
-        See Note [Counting under activation checkpointing].
+        See Note [Counting under activation checkpointing]. Under ``torch.compile`` this is the
+        one graph break of a training forward (Note [MoE under torch.compile] in ``layer.py``):
+        whether the forward runs as an activation-checkpoint recompute is known only when it
+        runs, so the update runs eagerly, outside the graph.
         """
-        if self.training and not _in_backward_pass():
-            with torch.no_grad():
-                self.tokens_per_expert.add_(counts_E)
+        if self.training:
+            count_unless_recompute(self.tokens_per_expert, counts_E)
 
     def _check_input(self, x_TD: torch.Tensor, num_sequences: int) -> None:
         if x_TD.dim() != 2 or x_TD.shape[-1] != self.config.dim:

@@ -62,6 +62,7 @@ from dtensor_moe.moe.router import (
     RouterOutput,
     TokenChoiceTopKRouter,
     aux_loss_from_sums,
+    expert_counts,
     sequence_sums,
 )
 from dtensor_moe.parallel.padding import TokenShardMeta
@@ -326,11 +327,10 @@ class TokenParallelForward:
         scores_TE = router.scores(logits_TE)
         topk_ids_TK = router.select(scores_TE)
         topk_scores_TK = router.combine_weights(scores_TE, topk_ids_TK)
-        counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
+        counts_E = expert_counts(topk_ids_TK, cfg.num_experts)
         owned_counts_E = counts_E
         if tokens.owned is not None:
-            owned_ids = topk_ids_TK[tokens.owned].reshape(-1)
-            owned_counts_E = torch.bincount(owned_ids, minlength=cfg.num_experts)
+            owned_counts_E = expert_counts(topk_ids_TK[tokens.owned], cfg.num_experts)
         router.count_tokens(owned_counts_E)
         aux_loss = None
         if router.training and cfg.aux_loss_coeff > 0:

@@ -16,7 +16,6 @@ from dtensor_moe.parallel import (
     build_moe_meshes,
     fully_shard_moe,
     parallelize_moe,
-    token_parallel,
 )
 
 __all__ = [
@@ -49,9 +48,7 @@ def clear_caches() -> None:
     - ``dtensor_moe._compat._GRAD_SPECS``: gradient specs of ``local_views`` per DTensor spec
       (Note [Gradient-spec cache]);
     - ``dtensor_moe.optim.fast_step._GROUP_KEYS``: the one (device, dtype) group of a set of
-      local param tensors (Note [Fast-step caches], ``fast_step.clear_caches``);
-    - ``dtensor_moe.parallel.token_parallel._CHECKED``: dispatchers found compatible with a
-      token-parallel forward (Note [Checked dispatchers]).
+      local param tensors (Note [Fast-step caches], ``fast_step.clear_caches``).
 
     State that belongs to one object lives on it, not here: whether an optimizer qualifies for
     the fast step (an attribute of the optimizer) and whether ``update_expert_bias`` has warned
@@ -66,7 +63,6 @@ def clear_caches() -> None:
     _compat.clear_aligned_caches()
     _compat._GRAD_SPECS.clear()
     fast_step.clear_caches()
-    token_parallel._CHECKED.clear()
 
 
 register_strategies()

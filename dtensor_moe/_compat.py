@@ -210,8 +210,13 @@ def local_views(ts: tuple[DTensor, ...], grad_placements: tuple[tuple, ...]) -> 
     """``tuple(t.to_local(grad_placements=g) for t, g in zip(ts, grad_placements))``, cheaper.
 
     One autograd node for all of them and cached gradient specs; falls back to ``to_local``
-    when a local tensor or the global layout is not contiguous.
+    when a local tensor or the global layout is not contiguous, and while ``torch.compile``
+    traces.
     """
+    if torch.compiler.is_compiling():
+        # Dynamo cannot pass DTensorSpecs into a custom autograd.Function; ``to_local`` traces
+        # and gives the same views and gradients.
+        return tuple(t.to_local(grad_placements=list(g)) for t, g in zip(ts, grad_placements))
     specs = tuple(_grad_spec(t, g) for t, g in zip(ts, grad_placements))
     if any(s is None for s in specs):
         return tuple(t.to_local(grad_placements=list(g)) for t, g in zip(ts, grad_placements))

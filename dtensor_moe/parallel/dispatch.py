@@ -116,6 +116,7 @@ from dtensor_moe.moe.dispatch import (
     unpermute_and_reduce,
 )
 from dtensor_moe.moe.experts import _grouped_mm_supported
+from dtensor_moe.parallel.mesh import local_rank, mesh_ranks
 
 __all__ = ["AllToAllMetadata", "AllToAllTokenDispatcher"]
 
@@ -382,6 +383,32 @@ class _ExpertParallelStep(torch.autograd.Function):
         return grad_x_TD, grad_scores_TX, grad_w1, grad_w2, grad_w3, None, None, None, None, None
 
 
+# Note [Expert parallelism under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The exchange sizes of an all-to-all are data: they must be read on the host, and traced code
+# would specialise on them and recompile at nearly every step. So while ``torch.compile``
+# traces a layer, ``run_experts`` of a dispatcher with a mesh (dispatch, the expert math and
+# combine) runs eagerly, as one island: the graph breaks around it, and only around it. The
+# island runs exactly the eager code (the one-node fast path included), so compiled and eager
+# results are identical; the router, the shared experts and everything around the layer are
+# compiled. torchtitan keeps its EP all-to-all out of the graph the same way.
+_EAGER_REASON = (
+    "dtensor_moe runs expert-parallel dispatch, experts and combine eagerly under torch.compile: "
+    "the all-to-all exchange sizes are read on the host (Note [Expert parallelism under "
+    "torch.compile] in dtensor_moe/parallel/dispatch.py); compile with fullgraph=False"
+)
+
+
+def _eager_run_experts(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E):
+    y_TD = dispatcher.run_experts(experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+    # A DTensor leaving the island would reach AOT autograd as an output whose tangent it
+    # cannot match; the Partial wrapper (expert TP with gathered tokens) is re-made outside.
+    return y_TD.to_local() if isinstance(y_TD, DTensor) else y_TD
+
+
+_eager_run_experts = torch.compiler.disable(_eager_run_experts, reason=_EAGER_REASON)
+
+
 class AllToAllTokenDispatcher(TokenDispatcher):
     """Expert-parallel dispatch and combine over a 1-D mesh; see Note [All-to-all dispatch].
 
@@ -432,11 +459,17 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         self.mesh = mesh
         self.replicas = replicas
         self.partial_mesh = partial_mesh
+        # Note [Ranks of a mesh, read once]
+        self.ranks: tuple[int, ...] = () if mesh is None else mesh_ranks(mesh)
+        self.partial_ranks: tuple[int, ...] = (
+            () if partial_mesh is None else mesh_ranks(partial_mesh)
+        )
+        self.rank: int = 0 if mesh is None else local_rank(mesh)
         # Sort key of each destination id ``q * e + j``: rank ``q``'s position in the send
         # order (this rank last, Note [Overlapped all-to-all]), then ``j``.
         self._send_key: tuple[int, ...] = ()
         if mesh is not None:
-            me, e = mesh.get_local_rank(), num_experts // self.ep_size
+            me, e = self.rank, num_experts // self.ep_size
             position = [*range(me), *range(me + 1, size), me]
             rank_position = [position.index(q) for q in range(size)]
             self._send_key = tuple(rank_position[g // e] * e + g % e for g in range(size * e))
@@ -502,6 +535,10 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         ``combine`` without a mesh, with ``pad_multiple > 1``, with ``score_before_experts``,
         and when the experts do not run on the ``grouped_mm`` path.
         """
+        if self.mesh is not None and torch.compiler.is_compiling():
+            # Note [Expert parallelism under torch.compile]
+            y_TD = _eager_run_experts(self, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+            return self._finish(y_TD)
         plain = (
             self.mesh is None
             or self.pad_multiple != 1

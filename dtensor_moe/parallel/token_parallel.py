@@ -44,8 +44,7 @@ Router statistics are global (see Note [Global router statistics]).
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import torch
@@ -65,19 +64,10 @@ from dtensor_moe.moe.router import (
     expert_counts,
     sequence_sums,
 )
+from dtensor_moe.parallel.mesh import local_rank, mesh_ranks
 from dtensor_moe.parallel.padding import TokenShardMeta
 
 __all__ = ["Routing", "TokenParallelForward", "region_grad_placements"]
-
-# Note [Checked dispatchers]
-# ``TokenParallelForward.check_experts`` remembers which dispatcher it found compatible:
-#   key:      the dispatcher (weakly: the entry dies with it)
-#   value:    (routing, weak reference to the tp mesh) that it was checked against
-#   bound:    one entry per live dispatcher that ran a token-parallel forward
-#   lifetime: the dispatcher's; the entry never keeps the tp mesh (nor its process groups) alive.
-# The verdict depends on the routing and the tp mesh's ranks only; a hit needs the same mesh
-# object. ``_CHECKED.clear()`` is safe at any time (``dtensor_moe.clear_caches``).
-_CHECKED: weakref.WeakKeyDictionary[object, tuple[str, weakref.ref]] = weakref.WeakKeyDictionary()
 
 Routing: TypeAlias = Literal["split", "replicate"]
 ROUTINGS: tuple[Routing, ...] = ("split", "replicate")
@@ -148,6 +138,13 @@ class TokenParallelForward:
     mesh: DeviceMesh
     input_layout: Placement
     routing: Routing
+    # Note [Ranks of a mesh, read once]
+    tp_ranks: tuple[int, ...] = field(init=False)
+    tp_rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tp_ranks", mesh_ranks(self.mesh))
+        object.__setattr__(self, "tp_rank", local_rank(self.mesh))
 
     def __call__(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
         self.check_experts(moe)
@@ -161,7 +158,15 @@ class TokenParallelForward:
         )
         x_TD = x_local.reshape(-1, D)
         logits_TE = F.linear(x_TD.to(gate_local.dtype), gate_local)  # as the router: gate dtype
-        routing = self._route(moe.router, logits_TE, tokens, x_TD.dtype, batch=B, seq_len=L)
+        routing, owned_counts_E = self._route(
+            moe.router, logits_TE, tokens, x_TD.dtype, batch=B, seq_len=L
+        )
+        # Only plain tensors and shapes stay alive past the experts, which break the graph
+        # under torch.compile (Note [Expert parallelism under torch.compile]): a DTensor, or a
+        # view of one, carried across the break would become a graph output whose gradient
+        # AOT autograd cannot match.
+        region_output, region_shape, local_shape = tokens.region_output, tokens.x.shape, x_local.shape
+        del tokens, x_in, x_local
         y_TD = moe.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
         if isinstance(y_TD, DTensor):  # expert TP: a Partial DTensor on the etp mesh
             y_TD = y_TD.to_local()
@@ -170,13 +175,16 @@ class TokenParallelForward:
         if routing.aux_loss is not None:
             y_TD = attach_aux_loss(y_TD, routing.aux_loss)
         y = DTensor.from_local(
-            y_TD.view(x_local.shape),
+            y_TD.view(local_shape),
             self.mesh,
-            [tokens.region_output],
-            shape=tokens.x.shape,
-            stride=_compat.contiguous_stride(tokens.x.shape),
+            [region_output],
+            shape=region_shape,
+            stride=_compat.contiguous_stride(region_shape),
         )
-        y = self._output(y, x_in)
+        y = self._output(y, (B, L, D))
+        # Last, as in MoE.forward: under torch.compile, the eager counter update is the one
+        # break of a training forward besides the experts (Note [MoE under torch.compile]).
+        moe.router.count_tokens(owned_counts_E)
         return y if isinstance(x, DTensor) else y.to_local()
 
     # -- validation -------------------------------------------------------------------------
@@ -184,34 +192,27 @@ class TokenParallelForward:
     def check_experts(self, moe: MoE) -> None:
         """The experts' parallelism must match the routing (attribute checks, no collective).
 
-        The verdict is remembered per dispatcher (whose configuration never changes), so the
-        rank lists are read once, not at every forward.
+        Compares rank tuples that the dispatcher and this object read once, at construction
+        (Note [Ranks of a mesh, read once]), so it costs nothing and traces under
+        ``torch.compile`` as constants.
         """
         dispatcher = moe.experts.dispatcher
-        checked = _CHECKED.get(dispatcher)  # Note [Checked dispatchers]
-        if checked is not None and checked[0] == self.routing and checked[1]() is self.mesh:
-            return
-        self._check_dispatcher(dispatcher)
-        _CHECKED[dispatcher] = (self.routing, weakref.ref(self.mesh))
-
-    def _check_dispatcher(self, dispatcher: object) -> None:
-        partial = getattr(dispatcher, "partial_mesh", None)
-        tp_ranks = self.mesh.mesh.tolist()
+        partial = getattr(dispatcher, "partial_ranks", ())
+        tp_ranks = self.tp_ranks
         if self.routing == "replicate":
-            if partial is None or partial.mesh.tolist() != tp_ranks:
+            if partial != tp_ranks:
                 raise ValueError(
                     "PrepareMoEInput(routing='replicate') needs the experts sharded with "
                     "ExpertTensorParallel on ranks equal to the tp mesh "
-                    f"{tp_ranks}; got dispatcher {dispatcher!r}"
+                    f"{list(tp_ranks)}; got dispatcher {dispatcher!r}"
                 )
             return
-        mesh = getattr(dispatcher, "mesh", None)
-        ep_ranks = set() if mesh is None else set(mesh.mesh.tolist())
-        if partial is not None or not set(tp_ranks) <= ep_ranks:
+        ep_ranks = getattr(dispatcher, "ranks", ())
+        if partial or not set(tp_ranks) <= set(ep_ranks):
             raise ValueError(
                 "PrepareMoEInput(routing='split') routes different tokens on each tp rank, so "
                 "the experts must exchange rows over a mesh containing the tp ranks "
-                f"{tp_ranks}: ExpertParallel over an EP mesh that borrows them, or "
+                f"{list(tp_ranks)}: ExpertParallel over an EP mesh that borrows them, or "
                 f"ExpertTensorParallel(dispatch='all_to_all'); got dispatcher {dispatcher!r}. "
                 "ExpertTensorParallel(dispatch='gather') needs routing='replicate'"
             )
@@ -255,7 +256,7 @@ class TokenParallelForward:
         disagrees raises (a rank cannot see another's shard without a collective).
         """
         B, L, D = x.shape
-        rank = self.mesh.get_local_rank()
+        rank = self.tp_rank
         meta = TokenShardMeta.from_shape(B, L, self.mesh.size(), 1)
         expected = (B, meta.local_len(rank), D)
         local_shape = tuple(_compat.local_tensor(x).shape)
@@ -272,7 +273,7 @@ class TokenParallelForward:
 
     def _tokens(self, x_in: DTensor) -> _Tokens:
         B, L, D = x_in.shape
-        tp, rank = self.mesh.size(), self.mesh.get_local_rank()
+        tp, rank = self.mesh.size(), self.tp_rank
         device = x_in.device
         if self.routing == "replicate":
             x = x_in.redistribute(self.mesh, [Replicate()])
@@ -292,11 +293,11 @@ class TokenParallelForward:
         sequence_T = meta.global_token_index(rank, device=device) // max(L, 1)
         return _Tokens(x=x, region_output=x.placements[0], sequence_T=sequence_T, owned=None)
 
-    def _output(self, y: DTensor, x_in: DTensor) -> DTensor:
+    def _output(self, y: DTensor, shape: tuple[int, int, int]) -> DTensor:
         if y.placements[0] == self.input_layout:
             return y
         y = y.redistribute(self.mesh, [self.input_layout])
-        return y.view(x_in.shape)
+        return y.view(shape)
 
     # -- router statistics --------------------------------------------------------------------
 
@@ -309,8 +310,9 @@ class TokenParallelForward:
         *,
         batch: int,
         seq_len: int,
-    ) -> RouterOutput:
-        """The router's steps on local logits, with global statistics.
+    ) -> tuple[RouterOutput, torch.Tensor]:
+        """The router's steps on local logits, with global statistics, and the counts of the
+        tokens this rank counts in ``tokens_per_expert`` (the caller adds them last).
 
         Note [Global router statistics]: every token is counted by exactly one rank of the
         world. Under ``"split"`` a rank counts the tokens it routes; under ``"replicate"`` all
@@ -331,16 +333,16 @@ class TokenParallelForward:
         owned_counts_E = counts_E
         if tokens.owned is not None:
             owned_counts_E = expert_counts(topk_ids_TK[tokens.owned], cfg.num_experts)
-        router.count_tokens(owned_counts_E)
         aux_loss = None
         if router.training and cfg.aux_loss_coeff > 0:
             aux_loss = self._aux_loss(router, scores_TE, topk_ids_TK, tokens, (batch, seq_len))
-        return RouterOutput(
+        routing = RouterOutput(
             topk_scores_TK=topk_scores_TK.to(dtype),
             topk_ids_TK=topk_ids_TK,
             counts_E=counts_E,
             aux_loss=aux_loss,
         )
+        return routing, owned_counts_E
 
     def _aux_loss(
         self,

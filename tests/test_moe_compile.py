@@ -82,7 +82,10 @@ def test_moe_compiles_and_matches_eager(dtype, path, train):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_inductor(dtype):
-    moe = make_moe(dtype, num_shared_experts=1, aux_loss_coeff=0.01, use_expert_bias=True)
+    # the automatic aux-loss route, as run() adds no collected loss; tests/test_aux_loss.py
+    # compiles the collected one
+    moe = make_moe(dtype, num_shared_experts=1, aux_loss_coeff=0.01, use_expert_bias=True,
+                   aux_loss_mode="attach")
     x = torch.randn(2, 13, 64).to(dtype)
     assert_matches_eager(moe, x, dtype, "inductor", what=f"{dtype} inductor")
 

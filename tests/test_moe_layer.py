@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dtensor_moe.moe import MoE, MoEConfig, update_expert_bias
+from dtensor_moe.moe.balance import collect_aux_losses
 
 D, H, E = 16, 32, 4
 TOL = 1e-5
@@ -115,12 +116,13 @@ def assert_matches_reference(moe: MoE, x: torch.Tensor, seed: int = 1) -> None:
     ref = copy.deepcopy(moe)
     x_ref = x.detach().clone().requires_grad_()
     x = x.detach().clone().requires_grad_()
-    y = moe(x)
+    with collect_aux_losses() as aux:
+        y = moe(x)
     y_ref, aux_ref = reference_moe(ref, x_ref)
     assert y.shape == x.shape and y.dtype == x.dtype
     close(y, y_ref)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
-    (y * g).sum().backward()
+    ((y * g).sum() + aux.total()).backward()
     ((y_ref * g).sum() + aux_ref).backward()
     close(x.grad, x_ref.grad)
     for (name, p), p_ref in zip(moe.named_parameters(), ref.parameters()):
@@ -193,9 +195,10 @@ def test_experts_with_zero_tokens():
 def test_zero_tokens(path, shape):
     moe = make_moe(compute_path=path, num_shared_experts=1, aux_loss_coeff=0.1, pad_multiple=4)
     x = torch.randn(shape, requires_grad=True)
-    y = moe(x)
+    with collect_aux_losses() as aux:
+        y = moe(x)
     assert y.shape == shape
-    y.sum().backward()
+    (y.sum() + aux.total()).backward()
     assert x.grad.shape == shape
     for name, p in moe.named_parameters():
         assert p.grad is None or p.grad.abs().max() == 0, name
@@ -234,8 +237,9 @@ def test_same_bits_run_to_run():
     for _ in range(2):
         moe.zero_grad()
         xi = x.clone().requires_grad_()
-        y = moe(xi)
-        (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+        with collect_aux_losses() as aux:
+            y = moe(xi)
+        ((y * torch.arange(y.numel()).view_as(y).sin()).sum() + aux.total()).backward()
         results.append([y.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -251,9 +255,12 @@ def test_activation_checkpoint(use_reentrant):
     moe_ckpt = copy.deepcopy(moe)
     x = torch.randn(2, 7, D, requires_grad=True)
     x_ckpt = x.detach().clone().requires_grad_()
-    moe(x).square().sum().backward()
-    y = checkpoint(moe_ckpt, x_ckpt, use_reentrant=use_reentrant)
-    y.square().sum().backward()
+    with collect_aux_losses() as aux:
+        y = moe(x)
+    (y.square().sum() + aux.total()).backward()
+    with collect_aux_losses() as aux:  # reentrant: nothing collected, the recompute attaches
+        y = checkpoint(moe_ckpt, x_ckpt, use_reentrant=use_reentrant)
+    (y.square().sum() + aux.total()).backward()
     for a, b in zip(_grads(moe, x), _grads(moe_ckpt, x_ckpt)):
         close(a, b)
     assert torch.equal(moe.router.tokens_per_expert, moe_ckpt.router.tokens_per_expert)
@@ -265,10 +272,15 @@ def test_two_forwards_before_backward():
     moe = make_moe(num_shared_experts=1, aux_loss_coeff=0.1, pad_multiple=4)
     moe_seq = copy.deepcopy(moe)
     x1, x2 = torch.randn(2, 7, D), torch.randn(1, 5, D)
-    y1, y2 = moe(x1), moe(x2)
-    (y1.sum() + 2 * y2.sum()).backward()
-    moe_seq(x1).sum().backward()
-    (2 * moe_seq(x2).sum()).backward()
+    with collect_aux_losses() as aux1:
+        y1 = moe(x1)
+    with collect_aux_losses() as aux2:
+        y2 = moe(x2)
+    (y1.sum() + aux1.total() + 2 * (y2.sum() + aux2.total())).backward()
+    for x_m, weight in ((x1, 1), (x2, 2)):
+        with collect_aux_losses() as aux:
+            y = moe_seq(x_m)
+        (weight * (y.sum() + aux.total())).backward()
     for p, q in zip(moe.parameters(), moe_seq.parameters()):
         close(p.grad, q.grad)
 

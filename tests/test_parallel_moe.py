@@ -7,8 +7,9 @@ says), the auxiliary-loss value, the expert bias, and after the steps every para
 
 The global batch is ``dp`` data shards of ``B`` sequences; data-parallel rank ``d`` holds shard
 ``d``. The objective is the mean over data shards (the usual data-parallel loss), so the
-reference loss is ``sum(y * G) / dp`` and a rank's gradient, summed over the documented groups,
-is divided by ``dp``.
+reference loss is ``sum(y * G) / dp`` plus its collected auxiliary loss (which is the mean of
+the shards' ones), a rank's loss is ``sum(y_d * G_d)`` plus what its forward collected, and a
+rank's gradient, summed over the documented groups, is divided by ``dp``.
 
 Matrix (issue 4): layouts x B in {1, 2} x L in {8 (divisible), 7 (not divisible), 1 (fewer
 tokens than ranks: a tp rank with zero tokens)} x top_k in {1, 2} x shared experts {0, 1}.
@@ -36,6 +37,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import with_comm
 import dtensor_moe  # noqa: F401  (registers the fused optimizer handlers)
 from dtensor_moe import MoE, MoEConfig
 from dtensor_moe.moe import update_expert_bias
+from dtensor_moe.moe.balance import collect_aux_losses
 from dtensor_moe.parallel import MoEMeshes, build_moe_meshes, parallelize_moe
 from tests._dist import DistTestBase
 
@@ -96,6 +98,9 @@ def make_config(case: Case, **overrides) -> MoEConfig:
         top_k=case.top_k,
         num_shared_experts=case.shared,
         aux_loss_coeff=0.1,
+        # the automatic route, for callers that add no collected loss (test_parallel_styles,
+        # test_parallel_compile); ParallelRun collects, which a collector does in either mode
+        aux_loss_mode="attach",
         use_expert_bias=True,
         init_std=0.3,
     )
@@ -167,19 +172,23 @@ class ParallelRun:
     def forward_backward(self) -> dict[str, torch.Tensor]:
         """Run one step's forward and backward on both; return what to compare."""
         x_ref = self.X.clone().requires_grad_()
-        y_ref = self.ref(x_ref)
-        (y_ref * self.G).sum().div(self.meshes.dp).backward()
+        with collect_aux_losses() as aux_ref:
+            y_ref = self.ref(x_ref)
+        # mean over data shards of (sum(y_d * G_d) + aux_d); the global aux is that mean
+        ((y_ref * self.G).sum().div(self.meshes.dp) + aux_ref.total()).backward()
         x_d, g_d = self.X[self.shard], self.G[self.shard]
         if self.meshes.tp > 1:
             tp_mesh = self.meshes.dense["tp"]
             x = distribute_tensor(x_d, tp_mesh, self._placement()).requires_grad_()
             g_local = distribute_tensor(g_d, tp_mesh, self._placement()).to_local()
-            y = self.model(x)
-            (y.to_local() * g_local).sum().backward()
+            with collect_aux_losses() as aux:  # a tp rank's share of its shard's aux loss
+                y = self.model(x)
+            ((y.to_local() * g_local).sum() + aux.total()).backward()
         else:
             x = x_d.clone().requires_grad_()
-            y = self.model(x)
-            (y * g_d).sum().backward()
+            with collect_aux_losses() as aux:
+                y = self.model(x)
+            ((y * g_d).sum() + aux.total()).backward()
         return {
             "y": (full(y), y_ref[self.shard].detach()),
             "x.grad": (full(x.grad) / self.meshes.dp, x_ref.grad[self.shard]),

@@ -7,7 +7,9 @@ Shape legend:
 One step, on every rank (Note [Demo step]):
 
 1. draw the global batch of this step and keep this rank's data-parallel slice;
-2. forward, cross-entropy (mean over this rank's tokens), backward. FSDP2 averages the grads
+2. forward inside ``collect_aux_losses()``, cross-entropy (mean over this rank's tokens) plus
+   the collected auxiliary losses (none unless ``aux_loss_coeff > 0``; Note [Auxiliary loss
+   follows the loss] in ``dtensor_moe/moe/balance.py``), backward. FSDP2 averages the grads
    over dp, so they are the grads of the mean loss over the global batch;
 3. ``dtensor_moe.clip_grad_norm_(model.parameters(), max_norm)``: one call, whatever meshes the
    params live on; it returns the global norm before clipping;
@@ -39,6 +41,7 @@ from dtensor_moe.demo.config import DemoConfig
 from dtensor_moe.demo.data import MarkovChain
 from dtensor_moe.demo.model import ModelConfig, MoETransformer
 from dtensor_moe.moe import TokenChoiceTopKRouter, update_expert_bias
+from dtensor_moe.moe.balance import collect_aux_losses
 
 __all__ = ["StepRecord", "build_model", "run_single_process", "train"]
 
@@ -114,9 +117,10 @@ def train(
         start = time.perf_counter()
         inputs_BL, targets_BL = chain.batch(step, config.batch, config.seq_len)
         rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
-        logits_BLV = model(inputs_BL[rows])
+        with collect_aux_losses() as aux:
+            logits_BLV = model(inputs_BL[rows])
         loss = F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL[rows].flatten())
-        loss.backward()
+        (loss + aux.total()).backward()  # the reported loss is the cross-entropy alone
         grad_norm = dtensor_moe.clip_grad_norm_(model.parameters(), config.max_norm)
         counts_ME = _expert_counts(model, group)
         opt.step()

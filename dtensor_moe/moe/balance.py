@@ -1,23 +1,50 @@
-"""Load balancing: the auxiliary-loss-free expert-bias update and the auxiliary-loss hook.
+"""Load balancing: the auxiliary-loss-free expert-bias update and the auxiliary-loss routes.
 
 Shape legend:
     E  routed experts
     M  MoE routers with an expert bias in the module tree being updated
 
-Note [Auxiliary loss through autograd]: the layer returns only ``y``. To keep no per-forward
-state on a module, the sequence-level auxiliary loss travels with the output: ``y`` is passed
-through :class:`AuxLossBackward`, an identity whose backward also returns ``1`` as the gradient
-of the loss. Any backward pass through ``y`` therefore adds ``d(aux_loss)/d(router weights)``,
-exactly as if ``aux_loss`` had been added to the training loss with weight 1. This survives
-activation-checkpoint recompute and several micro-batches in flight, because each output
-carries its own loss. The value is kept, detached, in ``router.last_aux_loss`` for logging.
+Note [Auxiliary loss follows the loss]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The layer returns only ``y``, and keeps no per-forward state on a module, so the auxiliary loss
+of one forward must leave the layer some other way. Two routes, one rule: **a collector, when one
+is active, takes every auxiliary loss**; ``MoEConfig.aux_loss_mode`` only says what happens
+without one.
+
+* **Collect** (exact). Inside ``with collect_aux_losses() as aux:`` each training forward hands
+  its loss to ``aux``, and the user adds ``aux.total()`` to the loss. The aux gradient is then
+  the gradient of the user's own loss: it follows ``scaler.scale(loss)``, ``loss / n``,
+  ``loss * 0`` and any number of backward passes through the output, because it *is* part of
+  the loss. The collector is scope state (a module-level stack, like ``torch.no_grad``), not
+  module state: each micro-batch opens its own, and two can be in flight. With
+  ``aux_loss_mode="collect"`` (the default), a training forward whose loss needs a gradient and
+  that finds no collector raises ``ValueError``.
+* **Attach** (``aux_loss_mode="attach"``, automatic, the behaviour before issue 15). ``y`` goes
+  through :class:`AuxLossBackward`, an identity whose backward hands ``1`` to the loss. Every
+  backward pass through ``y`` adds ``d(aux)/d(router)`` with weight 1, whatever was done to the
+  loss: it equals adding ``aux`` to the loss only for one ``L.backward()`` of an unscaled ``L``.
+  No automatic rule can do better: ``dL/dy`` is all that reaches ``y``, and it does not say by
+  what factor the root of the backward differs from "the loss".
+
+A forward inside a backward pass (an activation-checkpoint recompute) never collects: its value
+was collected by the original forward. Under non-reentrant checkpointing the recomputed graph is
+discarded, so what it does is moot; under reentrant checkpointing the original forward ran without
+grad (nothing to collect) and the recompute's output is what backward flows through, so the loss
+is attached there (weight 1, as in attach mode). Under ``torch.compile`` the collector stack is
+read and appended to in the traced graph (a guard on whether a collector is active, no graph
+break); the recompute check runs eagerly, so a compiled region that is recomputed *inside* an
+open collector (``checkpoint(torch.compile(f))`` with backward inside the ``with`` block) would
+collect its loss a second time: run backward after the block. The value is also kept, detached,
+in ``router.last_aux_loss`` for logging.
 """
 
 # ruff: noqa: N806
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,9 +52,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dtensor_moe import _compat
+from dtensor_moe.moe.config import AuxLossMode
 from dtensor_moe.moe.router import TokenChoiceTopKRouter
 
-__all__ = ["AuxLossBackward", "attach_aux_loss", "update_expert_bias"]
+__all__ = [
+    "AuxLossBackward",
+    "AuxLosses",
+    "attach_aux_loss",
+    "collect_aux_losses",
+    "update_expert_bias",
+]
 
 # Set on a module once _warn_if_parallel has checked it: the state lives on the module itself.
 _CHECKED_ATTR = "_dtensor_moe_bias_update_checked"
@@ -53,10 +88,72 @@ def _warn_if_parallel(module: nn.Module) -> None:
         )
 
 
+class AuxLosses:
+    """The auxiliary losses of the MoE forwards run inside one :func:`collect_aux_losses` block.
+
+    Add :meth:`total` to the loss you call backward on. See Note [Auxiliary loss follows the
+    loss].
+    """
+
+    __slots__ = ("_losses",)
+
+    def __init__(self) -> None:
+        self._losses: list[torch.Tensor] = []
+
+    def add(self, loss: torch.Tensor) -> None:
+        """Take one auxiliary loss (0-dim; what the MoE layers call)."""
+        self._losses.append(loss)
+
+    @property
+    def losses(self) -> tuple[torch.Tensor, ...]:
+        """The collected losses, in forward order: one per MoE forward that computed one."""
+        return tuple(self._losses)
+
+    def total(self) -> torch.Tensor:
+        """Sum of the collected losses, with their gradient; a float32 zero when there are none."""
+        if not self._losses:
+            return torch.zeros(())
+        return torch.stack(self._losses).sum()
+
+    def __len__(self) -> int:
+        return len(self._losses)
+
+    def __repr__(self) -> str:
+        return f"AuxLosses(n={len(self._losses)})"
+
+
+# The open collectors, innermost last: scope state, like a grad-mode stack (never module state).
+_COLLECTORS: list[AuxLosses] = []
+
+
+@contextlib.contextmanager
+def collect_aux_losses() -> Iterator[AuxLosses]:
+    """Collect the auxiliary losses of the MoE forwards run inside the block.
+
+    Example::
+
+        with collect_aux_losses() as aux:
+            logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux.total()
+        scaler.scale(loss / grad_accum).backward()   # the aux gradient is scaled with it
+
+    Blocks nest; the innermost takes the losses. Open one per micro-batch. A forward inside a
+    backward pass (activation-checkpoint recompute) adds nothing. No collective runs. See
+    Note [Auxiliary loss follows the loss].
+    """
+    collector = AuxLosses()
+    _COLLECTORS.append(collector)
+    try:
+        yield collector
+    finally:
+        _COLLECTORS.remove(collector)
+
+
 class AuxLossBackward(torch.autograd.Function):
     """``forward(y, aux_loss) -> y``; backward gives ``y`` its gradient and ``aux_loss`` 1.
 
-    See Note [Auxiliary loss through autograd].
+    The ``"attach"`` route of Note [Auxiliary loss follows the loss]: weight 1 per backward pass
+    through ``y``, whatever was done to the loss.
     """
 
     @staticmethod
@@ -69,10 +166,47 @@ class AuxLossBackward(torch.autograd.Function):
         return grad_y, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
 
 
-def attach_aux_loss(y: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-    """Return ``y`` unchanged in value; backward through it also backpropagates ``aux_loss``."""
+_NO_COLLECTOR = (
+    "an MoE layer with aux_loss_coeff > 0 and aux_loss_mode='collect' ran a training forward "
+    "outside collect_aux_losses(), so its auxiliary loss would be lost. Run the forward inside "
+    "`with dtensor_moe.moe.balance.collect_aux_losses() as aux:` and add aux.total() to the "
+    "loss; or build the layer with MoEConfig(aux_loss_mode='attach') for the automatic route, "
+    "whose gradient ignores loss scaling (see docs/moe.md, 'Auxiliary loss')"
+)
+
+
+def _attach_in_recompute(y: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """Collect mode without a collector: attach during a recompute, raise otherwise."""
+    if not _compat.in_backward_pass():
+        raise ValueError(_NO_COLLECTOR)
+    return AuxLossBackward.apply(y, aux_loss)
+
+
+_attach_in_recompute = torch.compiler.disable(
+    _attach_in_recompute,
+    reason="whether a forward is an activation-checkpoint recompute is known only at run time",
+)
+
+
+def attach_aux_loss(
+    y: torch.Tensor, aux_loss: torch.Tensor, *, mode: AuxLossMode = "attach"
+) -> torch.Tensor:
+    """Route ``aux_loss`` (Note [Auxiliary loss follows the loss]); returns ``y``'s value.
+
+    An active :func:`collect_aux_losses` takes the loss (``y`` comes back unchanged). Without
+    one, ``mode="attach"`` returns ``y`` through :class:`AuxLossBackward` and ``mode="collect"``
+    raises ``ValueError`` (but attaches inside a backward pass: a checkpoint recompute). A loss
+    without grad (a forward under ``torch.no_grad``) goes nowhere.
+    """
+    if mode not in ("collect", "attach"):
+        raise ValueError(f"attach_aux_loss: mode={mode!r} is not 'collect' or 'attach'")
     if not aux_loss.requires_grad:
         return y
+    if _COLLECTORS and (torch.compiler.is_compiling() or not _compat.in_backward_pass()):
+        _COLLECTORS[-1].add(aux_loss)
+        return y
+    if mode == "collect":
+        return _attach_in_recompute(y, aux_loss)
     return AuxLossBackward.apply(y, aux_loss)
 
 

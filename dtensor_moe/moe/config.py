@@ -9,13 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["ComputePath", "MoEConfig", "ScoreFunc"]
+__all__ = ["AuxLossMode", "ComputePath", "MoEConfig", "ScoreFunc"]
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 ComputePath = Literal["auto", "grouped_mm", "loop", "bmm"]
+AuxLossMode = Literal["collect", "attach"]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
 _COMPUTE_PATHS = ("auto", "grouped_mm", "loop", "bmm")
+_AUX_LOSS_MODES = ("collect", "attach")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,11 @@ class MoEConfig:
         use_expert_bias: keep an auxiliary-loss-free expert bias that changes expert selection
             only; update it with :func:`~dtensor_moe.moe.update_expert_bias`.
         aux_loss_coeff: coefficient of the sequence-level auxiliary loss; ``0`` disables it.
+        aux_loss_mode: where the auxiliary loss goes when no
+            :func:`~dtensor_moe.moe.balance.collect_aux_losses` block is open (inside one, it is
+            always collected): ``"collect"`` raises ``ValueError`` in a training forward,
+            ``"attach"`` attaches it to the output with gradient weight 1, which ignores loss
+            scaling. See Note [Auxiliary loss follows the loss] in ``balance.py``.
         num_shared_experts: number of always-on shared SwiGLU experts (``0``: none).
         shared_hidden_dim: hidden width of each shared expert; ``None`` means ``hidden_dim``.
         shared_expert_gate: scale the shared experts' output per token by
@@ -60,6 +67,7 @@ class MoEConfig:
     score_before_experts: bool = False
     use_expert_bias: bool = False
     aux_loss_coeff: float = 0.0
+    aux_loss_mode: AuxLossMode = "collect"
     num_shared_experts: int = 0
     shared_hidden_dim: int | None = None
     shared_expert_gate: bool = False
@@ -119,6 +127,10 @@ class MoEConfig:
         if self.aux_loss_coeff < 0:
             raise ValueError(
                 f"MoEConfig.aux_loss_coeff must be >= 0 (0 disables it), got {self.aux_loss_coeff}"
+            )
+        if self.aux_loss_mode not in _AUX_LOSS_MODES:
+            raise ValueError(
+                f"MoEConfig.aux_loss_mode={self.aux_loss_mode!r} is not one of {_AUX_LOSS_MODES}"
             )
 
     def _check_groups(self) -> None:

@@ -9,7 +9,7 @@ Data flow (one rank)::
 
     x (B, L, D) -> x_TD -> router -> topk_scores_TK, topk_ids_TK, counts_E (, aux_loss)
       -> experts: dispatch -> grouped SwiGLU -> combine -> y_TD
-      -> (+ shared_experts(x_TD)) -> attach aux loss -> y (B, L, D)
+      -> (+ shared_experts(x_TD)) -> route the aux loss (collect or attach) -> y (B, L, D)
 """
 
 # ruff: noqa: N806
@@ -113,7 +113,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         if routing.aux_loss is not None:
-            y_TD = attach_aux_loss(y_TD, routing.aux_loss)
+            y_TD = attach_aux_loss(y_TD, routing.aux_loss, mode=self.config.aux_loss_mode)
         y = y_TD.view(B, L, D)
         if self.router.training:  # last, and from this frame: Note [MoE under torch.compile]
             count_unless_recompute(self.router.tokens_per_expert, routing.counts_E)

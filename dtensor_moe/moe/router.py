@@ -42,7 +42,9 @@ class RouterOutput:
         counts_E: tokens this forward sent to each expert (int64). A plain tensor, so that a
             parallel layer can all-reduce it.
         aux_loss: the sequence-level auxiliary loss, already multiplied by
-            ``aux_loss_coeff`` (0-dim float32), or ``None`` when disabled or not training.
+            ``aux_loss_coeff`` (0-dim float32), or ``None`` when disabled or not training. The
+            layer hands it to :func:`~dtensor_moe.moe.balance.attach_aux_loss`, which collects
+            or attaches it (Note [Auxiliary loss follows the loss] in ``balance.py``).
     """
 
     topk_scores_TK: torch.Tensor

@@ -6,7 +6,7 @@ SGD, Adagrad; in-place, out-of-place, ``tensor_lr`` and ``.out`` overloads) and 
 """
 
 from dtensor_moe import _compat
-from dtensor_moe.moe import MoE, MoEConfig
+from dtensor_moe.moe import AuxLosses, MoE, MoEConfig, collect_aux_losses
 from dtensor_moe.optim import clip_grad_norm_, fast_step, register_strategies
 from dtensor_moe.parallel import (
     ExpertParallel,
@@ -19,6 +19,7 @@ from dtensor_moe.parallel import (
 )
 
 __all__ = [
+    "AuxLosses",
     "ExpertParallel",
     "ExpertTensorParallel",
     "MoE",
@@ -28,6 +29,7 @@ __all__ = [
     "build_moe_meshes",
     "clear_caches",
     "clip_grad_norm_",
+    "collect_aux_losses",
     "fully_shard_moe",
     "parallelize_moe",
     "register_strategies",

@@ -346,5 +346,32 @@ class AuxLossEP4Test(DistTestBase):
             grad = as_param_grad(param, reduce_grad(name, param, meshes))
             close(full(grad), ref_params[name].grad, f"rank {d}: {name}.grad")
 
+    @with_comms
+    def test_token_parallel_forward_follows_the_mode(self):
+        """Under SP2 + EP2 (PrepareMoEInput) the layer honours ``aux_loss_mode`` as in one
+        process: the default raises without a collector, a collector takes each rank's
+        share, and ``"attach"`` attaches it."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from dtensor_moe import collect_aux_losses
+        from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
+
+        meshes = build_moe_meshes(dp=2, ep=2, tp=2, device_type="cpu")
+        tp = meshes.dense["tp"]
+        x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(self.rank // 2))
+        x = distribute_tensor(x, tp, [Shard(1)])
+        model = parallelize_moe(make(), meshes, sequence_parallel=True)
+        with self.assertRaisesRegex(ValueError, r"outside collect_aux_losses\(\)"):
+            model(x)
+        with collect_aux_losses() as aux:
+            y = model(x)
+        self.assertEqual(len(aux.losses), 1)
+        (y.to_local() * 0).sum().backward()  # collected, not added: the router gets nothing
+        self.assertEqual(model.router.gate.weight.grad.to_local().abs().max().item(), 0.0)
+        attach = parallelize_moe(make(aux_loss_mode="attach"), meshes, sequence_parallel=True)
+        (attach(x).to_local() * 0).sum().backward()  # attached: weight 1 whatever the loss
+        self.assertGreater(attach.router.gate.weight.grad.to_local().abs().max().item(), 0.0)
+
+
 if __name__ == "__main__":
     run_tests()

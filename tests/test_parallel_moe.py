@@ -148,7 +148,9 @@ def as_param_grad(param: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor
 class ParallelRun:
     """One layout x case: the distributed model next to its single-device reference."""
 
-    def __init__(self, layout: Layout, case: Case, rank: int, **config) -> None:
+    def __init__(
+        self, layout: Layout, case: Case, rank: int, overlap: bool = True, **config
+    ) -> None:
         self.layout, self.case = layout, case
         self.meshes = build_moe_meshes(**layout.meshes, device_type="cpu")
         torch.manual_seed(0)
@@ -158,6 +160,7 @@ class ParallelRun:
             self.meshes,
             sequence_parallel=layout.sequence_parallel,
             expert_tp_dispatch=layout.expert_tp_dispatch,
+            ep_overlap=overlap,
         )
         dp, B = self.meshes.dp, case.B
         self.X = torch.randn(dp * B, case.L, D)
@@ -233,15 +236,18 @@ OPTION_RUNS = [  # other MoEConfig options, one case each: (layout, overrides)
 
 class ParallelMoEParityTest(DistTestBase):
     def _run_layout(self, name: str, cases=None, **config) -> None:
-        for case in cases or CASES:
-            run = ParallelRun(LAYOUTS[name], case, self.rank, **config)
+        # Both implementations of the EP exchange (ExpertParallel(overlap=...)): the one-node
+        # overlapped step and the plain functional-collective path, on the same matrix.
+        for overlap, case in itertools.product((True, False), cases or CASES):
+            run = ParallelRun(LAYOUTS[name], case, self.rank, overlap=overlap, **config)
+            where = f"{name} {case} overlap={overlap} {config}"
             for step in range(STEPS):
 
-                def check(actual, expected, what, step=step, case=case):
-                    close(actual, expected, f"{name} {case} {config} step {step}: {what}")
+                def check(actual, expected, what, step=step, where=where):
+                    close(actual, expected, f"{where} step {step}: {what}")
 
                 run.step(check)
-            run.check_params(lambda a, e, w, case=case: close(a, e, f"{name} {case}: {w}"))
+            run.check_params(lambda a, e, w, where=where: close(a, e, f"{where}: {w}"))
 
     @with_comms
     def test_ep2(self):

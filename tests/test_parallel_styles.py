@@ -53,7 +53,7 @@ def _counts(mode: CommDebugMode) -> str:
     return " ".join(f"{op}={n}" for op, n in counts) or "none"
 
 
-def _build(name: str, case: Case, **config):
+def _build(name: str, case: Case, overlap: bool = True, **config):
     layout = LAYOUTS[name]
     meshes = build_moe_meshes(**layout.meshes)
     torch.manual_seed(0)
@@ -63,6 +63,7 @@ def _build(name: str, case: Case, **config):
         meshes,
         sequence_parallel=layout.sequence_parallel,
         expert_tp_dispatch=layout.expert_tp_dispatch,
+        ep_overlap=overlap,
     )
     return model, meshes, layout
 
@@ -86,12 +87,15 @@ class ParallelStylesTest(DistTestBase):
     def test_collective_counts_per_layout(self):
         """Forward and backward collectives of one training step, per layout (B=2, L=7, top-2,
         one shared expert, aux loss on: the forward all_reduce of "split" routing is the
-        per-sequence router statistics). A stray all-gather shows up as a diff here."""
+        per-sequence router statistics). A stray all-gather shows up as a diff here. Counted
+        on the second step: the first adds the one-time all_gather of Note [Ranks with
+        identical tokens] (pinned in tests/test_ep_misuse.py)."""
         lines = []
         for name in LAYOUTS:
             model, meshes, layout = _build(name, COUNT_CASE)
             torch.manual_seed(1 + self.rank // meshes.tp)
             x = _input(meshes, layout, torch.randn(COUNT_CASE.B, COUNT_CASE.L, D))
+            _local_loss(model(x)).backward()
             with CommDebugMode() as fwd:
                 y = model(x)
             with CommDebugMode() as bwd:
@@ -110,6 +114,35 @@ sp2ep2: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2
 tp2ep2: forward all_gather_into_tensor=1 all_reduce=1 alltoall_base_=3 | backward all_gather_into_tensor=1 alltoall_base_=2
 sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
         )
+
+    @with_comms
+    def test_overlap_switch_picks_the_path(self):
+        """``overlap`` (ExpertParallel / ExpertTensorParallel / parallelize_moe's ep_overlap)
+        is the one switch between the one-node step and the plain path; both give the same
+        output (the parity matrix of test_parallel_moe.py runs both)."""
+        outputs, nodes = {}, {}
+        for overlap in (True, False):
+            model, meshes, layout = _build("ep2tp2", COUNT_CASE, overlap=overlap)
+            self.assertIs(model.experts.dispatcher.overlap, overlap)
+            self.assertIn(f"overlap={overlap}", repr(model.experts.dispatcher))
+            torch.manual_seed(1 + self.rank // meshes.tp)
+            x = _input(meshes, layout, torch.randn(COUNT_CASE.B, COUNT_CASE.L, D))
+            y = model(x)
+            names, stack = set(), [y.grad_fn]
+            while stack:
+                fn = stack.pop()
+                if fn is not None and type(fn).__name__ not in names:
+                    names.add(type(fn).__name__)
+                    stack.extend(f for f, _ in fn.next_functions)
+            nodes[overlap] = "_ExpertParallelStepBackward" in names
+            outputs[overlap] = y.to_local().detach()
+        self.assertEqual(nodes, {True: True, False: False})
+        torch.testing.assert_close(outputs[False], outputs[True], rtol=1e-5, atol=1e-6)
+        for bad in ("yes", 1):
+            with self.assertRaisesRegex(TypeError, "overlap must be a bool"):
+                ExpertParallel(overlap=bad)
+            with self.assertRaisesRegex(TypeError, "overlap must be a bool"):
+                ExpertTensorParallel(overlap=bad)
 
     @with_comms
     def test_fast_path_is_one_node_and_runs_under_no_grad(self):
@@ -162,7 +195,7 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
             (
                 "ExpertTensorParallel on a 3-D mesh",
                 lambda: parallelize_module(MoE(cfg).experts, cube, ExpertTensorParallel()),
-                r"ExpertTensorParallel\(dispatch='all_to_all'\) needs a 1-D or 2-D DeviceMesh, got a 3-D mesh",
+                r"ExpertTensorParallel\(dispatch='all_to_all', overlap=True\) needs a 1-D or 2-D DeviceMesh, got a 3-D mesh",
             ),
             (
                 "PrepareMoEInput on a 2-D mesh",

@@ -41,7 +41,7 @@ from dtensor_moe.demo.config import DemoConfig
 from dtensor_moe.demo.data import MarkovChain
 from dtensor_moe.demo.model import ModelConfig, MoETransformer
 from dtensor_moe.moe import TokenChoiceTopKRouter, update_expert_bias
-from dtensor_moe.moe.balance import collect_aux_losses
+from dtensor_moe import collect_aux_losses
 
 __all__ = ["StepRecord", "build_model", "run_single_process", "train"]
 

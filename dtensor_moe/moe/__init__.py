@@ -1,7 +1,13 @@
 """The MoE layer: token-choice router, grouped routed experts with a token dispatcher, and
 shared experts. See ``docs/moe.md``."""
 
-from dtensor_moe.moe.balance import AuxLossBackward, attach_aux_loss, update_expert_bias
+from dtensor_moe.moe.balance import (
+    AuxLossBackward,
+    AuxLosses,
+    attach_aux_loss,
+    collect_aux_losses,
+    update_expert_bias,
+)
 from dtensor_moe.moe.config import MoEConfig
 from dtensor_moe.moe.dispatch import (
     DispatchMetadata,
@@ -31,6 +37,7 @@ from dtensor_moe.moe.router import (
 
 __all__ = [
     "AuxLossBackward",
+    "AuxLosses",
     "DispatchMetadata",
     "ExpertLayout",
     "GroupedExperts",
@@ -41,6 +48,7 @@ __all__ = [
     "TokenChoiceTopKRouter",
     "TokenDispatcher",
     "attach_aux_loss",
+    "collect_aux_losses",
     "aux_loss_from_sums",
     "grouped_swiglu",
     "local_expert_weight",

@@ -169,7 +169,7 @@ class AuxLossBackward(torch.autograd.Function):
 _NO_COLLECTOR = (
     "an MoE layer with aux_loss_coeff > 0 and aux_loss_mode='collect' ran a training forward "
     "outside collect_aux_losses(), so its auxiliary loss would be lost. Run the forward inside "
-    "`with dtensor_moe.moe.balance.collect_aux_losses() as aux:` and add aux.total() to the "
+    "`with dtensor_moe.collect_aux_losses() as aux:` and add aux.total() to the "
     "loss; or build the layer with MoEConfig(aux_loss_mode='attach') for the automatic route, "
     "whose gradient ignores loss scaling (see docs/moe.md, 'Auxiliary loss')"
 )

@@ -244,7 +244,7 @@ class _Route:
 class _ExpertParallelStep(torch.autograd.Function):
     """Dispatch, experts and combine of one expert-parallel forward as one autograd node.
 
-    ``forward(x_TD, scores_TX, w1, w2, w3, ids_TX, counts_X, group, key_G, e)`` returns
+    ``forward(x_TD, scores_TX, w1, w2, w3, ids_TX, counts_X, group, key_G, e, me)`` returns
     ``y_TD``; ``backward`` returns the gradients of ``x_TD``, ``scores_TX`` and the three local
     weights. See Note [Overlapped all-to-all] for the order of the steps; the math is that of
     ``permute_tokens`` -> ``grouped_swiglu`` -> ``unpermute_and_reduce`` with the exchanges of
@@ -264,6 +264,7 @@ class _ExpertParallelStep(torch.autograd.Function):
         group: Any,
         key_G: torch.Tensor,
         e: int,
+        me: int,
     ) -> torch.Tensor:
         T, X = ids_TX.shape
         D, N, dev = x_TD.shape[-1], ids_TX.numel(), x_TD.device
@@ -276,7 +277,7 @@ class _ExpertParallelStep(torch.autograd.Function):
         sent_ND = x_TD.index_select(0, token_N)
         counts_work.wait()
         sent, received = torch.stack((counts_X, counts_in)).tolist()
-        P, me = len(sent) // e, dist.get_rank(group)
+        P = len(sent) // e
         send, recv = _block_sums(sent, e), _block_sums(received, e)
         send[me] = recv[me] = 0
         n_send, n_recv = sum(send), sum(recv)
@@ -380,7 +381,21 @@ class _ExpertParallelStep(torch.autograd.Function):
         grad_x_TD = grad_sent_ND.index_select(0, row_XT[0])
         for x in range(1, X):
             grad_x_TD.add_(grad_sent_ND.index_select(0, row_XT[x]))
-        return grad_x_TD, grad_scores_TX, grad_w1, grad_w2, grad_w3, None, None, None, None, None
+        return (grad_x_TD, grad_scores_TX, grad_w1, grad_w2, grad_w3, *(None,) * 6)
+
+
+# Note [Ranks with identical tokens]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Expert parallelism assumes that the ranks of its mesh route different tokens: each expert
+# sums the gradients of the rows it receives, and the result is labelled the complete
+# gradient. Ranks that route the same tokens (for example the tp ranks of a block, with the
+# plan applied without PrepareMoEInput) still give correct outputs, but expert gradients too
+# large by the number of such ranks, silently. So a dispatcher all-gathers a checksum of each
+# rank's tokens (token count and a position-weighted float64 sum) once, on its first forward
+# with gradients enabled, and on every forward under TORCH_DISTRIBUTED_DEBUG=DETAIL; every
+# rank sees the same gathered values and so raises the same ValueError, before any exchange.
+# Forwards without gradients (evaluation, which may well give every rank the same batch) are
+# not checked. The verdict lives on the dispatcher (``tokens_checked``).
 
 
 # Note [Expert parallelism under torch.compile]
@@ -426,9 +441,16 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             that a missing reduction cannot go unnoticed. ``None``: a plain tensor.
         pad_multiple: align each local expert's row group to this multiple.
         score_before_experts: scale rows by their score before the experts.
+        overlap: run dispatch, experts and combine as the one-node overlapped step
+            (Note [Overlapped all-to-all], default) where it applies; ``False``: always the
+            plain ``dispatch`` -> ``compute`` -> ``combine`` path with functional collectives.
+            Both give the same results (the parity tests run both); ``True`` is faster.
 
     Forward: ``all_to_all_single`` x 3 on ``mesh`` (counts, tokens, outputs); backward:
-    ``all_to_all_single`` x 2. No collective when ``mesh`` is ``None``.
+    ``all_to_all_single`` x 2. No collective when ``mesh`` is ``None``. The first forward with
+    gradients enabled (every one under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) adds one
+    ``all_gather`` that checks that the ranks route different tokens (Note [Ranks with
+    identical tokens]).
     """
 
     def __init__(
@@ -440,6 +462,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         partial_mesh: DeviceMesh | None = None,
         pad_multiple: int = 1,
         score_before_experts: bool = False,
+        overlap: bool = True,
     ) -> None:
         super().__init__(
             num_experts=num_experts,
@@ -456,7 +479,10 @@ class AllToAllTokenDispatcher(TokenDispatcher):
                 f"replicas={replicas} ranks, and num_experts={num_experts} must be divisible by "
                 f"the expert-parallel degree {size // max(replicas, 1)}"
             )
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.mesh = mesh
+        self.overlap = overlap
         self.replicas = replicas
         self.partial_mesh = partial_mesh
         # Note [Ranks of a mesh, read once]
@@ -465,6 +491,8 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             () if partial_mesh is None else mesh_ranks(partial_mesh)
         )
         self.rank: int = 0 if mesh is None else local_rank(mesh)
+        # Note [Ranks with identical tokens]: set once the first forward's check has passed.
+        self.tokens_checked = False
         # Sort key of each destination id ``q * e + j``: rank ``q``'s position in the send
         # order (this rank last, Note [Overlapped all-to-all]), then ``j``.
         self._send_key: tuple[int, ...] = ()
@@ -479,6 +507,38 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         """Ranks that hold different experts: the mesh size over ``replicas``."""
         return 1 if self.mesh is None else self.mesh.size() // self.replicas
 
+    def _check_distinct_tokens(self, x_TD: torch.Tensor) -> None:
+        """Note [Ranks with identical tokens]: raise on every rank if two ranks of the mesh
+        route the same tokens. Runs on the first forward with gradients enabled, and on every
+        one under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: one all-gather of two numbers."""
+        detail = dist.get_debug_level() == dist.DebugLevel.DETAIL
+        if (self.tokens_checked and not detail) or not torch.is_grad_enabled():
+            return
+        x = x_TD.detach().reshape(-1).to(torch.float64)
+        # A position-weighted sum: equal for identical tokens, distinct otherwise but by a
+        # coincidence of measure zero. Ranks without tokens, or with all-zero tokens, prove
+        # nothing and are left out.
+        weights = torch.cos(torch.arange(x.numel(), device=x.device, dtype=torch.float64))
+        mine = torch.stack((torch.tensor(float(x_TD.shape[0]), device=x.device,
+                                         dtype=torch.float64), (x * weights).sum()))
+        gathered = funcol.all_gather_single(mine, 0, self.mesh).view(-1, 2).tolist()
+        seen: dict[tuple[float, float], int] = {}
+        for position, (tokens, checksum) in enumerate(gathered):
+            if tokens == 0 or checksum == 0:
+                continue
+            first = seen.setdefault((tokens, checksum), position)
+            if first != position:
+                raise ValueError(
+                    f"expert parallelism over {self.mesh}: ranks {self.ranks[first]} and "
+                    f"{self.ranks[position]} route identical tokens ({int(tokens)} rows), so "
+                    "their expert gradients would be summed as if they were different data "
+                    "(too large by the number of such ranks). If they are the tp ranks of a "
+                    "tensor-parallel block, apply PrepareMoEInput(routing='split') to the MoE "
+                    "(parallelize_moe does), so that each routes its own share of the "
+                    "tokens; otherwise give the ranks different data"
+                )
+        self.tokens_checked = True
+
     def dispatch(
         self,
         x_TD: torch.Tensor,
@@ -490,6 +550,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         if self.mesh is None:
             return super().dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        self._check_distinct_tokens(x_TD)
         P, e = self.mesh.size(), self.num_experts // self.ep_size
         ids_TX, scores_TX, counts_X = self._destinations(topk_scores_TK, topk_ids_TK, counts_E)
         # The count exchange runs while this rank sorts and gathers its rows.
@@ -532,8 +593,8 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         """Dispatch, expert math and combine, with both exchanges overlapped with local rows.
 
         See Note [Overlapped all-to-all]. Falls back to ``dispatch`` / ``compute`` /
-        ``combine`` without a mesh, with ``pad_multiple > 1``, with ``score_before_experts``,
-        and when the experts do not run on the ``grouped_mm`` path.
+        ``combine`` without a mesh, with ``overlap=False``, with ``pad_multiple > 1``, with
+        ``score_before_experts``, and when the experts do not run on the ``grouped_mm`` path.
         """
         if self.mesh is not None and torch.compiler.is_compiling():
             # Note [Expert parallelism under torch.compile]
@@ -541,6 +602,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             return self._finish(y_TD)
         plain = (
             self.mesh is None
+            or not self.overlap
             or self.pad_multiple != 1
             or self.score_before_experts
             or experts.compute_path not in ("auto", "grouped_mm")
@@ -549,11 +611,13 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         if weights is None or not _grouped_mm_supported(x_TD, weights[0]):
             return super().run_experts(experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        self._check_distinct_tokens(x_TD)
         ids_TX, scores_TX, counts_X = self._destinations(topk_scores_TK, topk_ids_TK, counts_E)
         key_G = torch.tensor(self._send_key, device=ids_TX.device)
         e = self.num_experts // self.ep_size
         y_TD = _ExpertParallelStep.apply(
-            x_TD, scores_TX, *weights, ids_TX, counts_X, self.mesh.get_group(), key_G, e
+            x_TD, scores_TX, *weights, ids_TX, counts_X,
+            self.mesh.get_group(), key_G, e, self.rank,
         )
         return self._finish(y_TD)
 
@@ -599,5 +663,6 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         return (
             f"{type(self).__name__}(num_experts={self.num_experts}, ep={self.ep_size}, "
             f"replicas={self.replicas}, partial={self.partial_mesh is not None}, "
-            f"pad_multiple={self.pad_multiple}, score_before_experts={self.score_before_experts})"
+            f"pad_multiple={self.pad_multiple}, score_before_experts={self.score_before_experts}, "
+            f"overlap={self.overlap})"
         )

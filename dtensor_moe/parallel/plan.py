@@ -44,6 +44,7 @@ def parallelize_moe(
     *,
     sequence_parallel: bool,
     expert_tp_dispatch: ExpertTPDispatch = "all_to_all",
+    ep_overlap: bool = True,
 ) -> nn.Module:
     """Apply the MoE styles of Note [MoE plan] to every :class:`MoE` in ``model`` (in place).
 
@@ -55,6 +56,9 @@ def parallelize_moe(
             tokens; the all-to-all replicates rows over the etp ranks) or ``"gather"`` (the tp
             ranks gather the tokens and reduce partial outputs); see
             :class:`~dtensor_moe.parallel.ExpertTensorParallel`.
+        ep_overlap: ``overlap`` of the expert styles: the one-node overlapped exchange
+            (``True``, default, faster) or the plain functional-collective path (``False``);
+            same results. See :class:`~dtensor_moe.parallel.ExpertParallel`.
 
     Returns:
         ``model``. Collectives: each style's apply-time config check and weight distribution.
@@ -74,10 +78,10 @@ def parallelize_moe(
     gather = expert_tp and expert_tp_dispatch == "gather"
     for moe in layers:
         if expert_tp:
-            style = ExpertTensorParallel(dispatch=expert_tp_dispatch)
+            style = ExpertTensorParallel(dispatch=expert_tp_dispatch, overlap=ep_overlap)
             parallelize_module(moe.experts, meshes.expert["ep", "etp"], style)
         elif meshes.ep > 1:
-            parallelize_module(moe.experts, meshes.expert["ep"], ExpertParallel())
+            parallelize_module(moe.experts, meshes.expert["ep"], ExpertParallel(overlap=ep_overlap))
         if meshes.tp > 1:
             style = PrepareMoEInput(
                 input_layout=Shard(1) if sequence_parallel else Replicate(),

@@ -137,14 +137,31 @@ class ExpertParallel(ParallelStyle):
     and the weight scatter;
     forward: ``all_to_all_single`` x 3; backward: ``all_to_all_single`` x 2, all on the mesh.
 
+    Args:
+        overlap: the switch between the two implementations of the exchange (Note
+            [Overlapped all-to-all] in ``parallel/dispatch.py``): ``True`` (default, faster)
+            runs dispatch, experts and combine as one autograd node that overlaps both
+            exchanges with the math on this rank's own rows; ``False`` runs the plain
+            ``dispatch`` -> ``compute`` -> ``combine`` path with functional collectives. Same
+            results; the parity tests run both. Stored on the dispatcher as ``overlap``.
+
+    Precondition: the ranks of the mesh route different tokens (different data, or the tp
+    ranks of a block under :class:`PrepareMoEInput` ``routing="split"``). Ranks routing the same
+    tokens would make expert gradients too large by their number; the first training forward
+    checks this with one ``all_gather`` of a token checksum and raises ``ValueError`` on every
+    rank (every forward under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+
     Raises:
         ValueError: the mesh is not 1-D, ``num_experts`` is not divisible by its size, or the
             experts' configuration differs across its ranks (on every rank, before any data
             collective; see Note [Style application]).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, overlap: bool = True) -> None:
         super().__init__()
+        if not isinstance(overlap, bool):
+            raise TypeError(f"ExpertParallel: overlap must be a bool, got {overlap!r}")
+        self.overlap = overlap
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = type(self).__name__
@@ -162,17 +179,20 @@ class ExpertParallel(ParallelStyle):
         )
         for name in ("w1", "w2", "w3"):
             _distribute_param(module, name, device_mesh, [Shard(0)])
-        module.dispatcher = _dispatcher(module, mesh=device_mesh if ep > 1 else None)
+        module.dispatcher = _dispatcher(
+            module, mesh=device_mesh if ep > 1 else None, overlap=self.overlap
+        )
         return module
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}(overlap={self.overlap})"
 
 
 def _dispatcher(
     module: GroupedExperts,
     *,
     mesh: DeviceMesh | None,
+    overlap: bool,
     replicas: int = 1,
     partial_mesh: DeviceMesh | None = None,
 ) -> AllToAllTokenDispatcher:
@@ -184,6 +204,7 @@ def _dispatcher(
         partial_mesh=partial_mesh,
         pad_multiple=old.pad_multiple,
         score_before_experts=old.score_before_experts,
+        overlap=overlap,
     )
 
 
@@ -199,6 +220,7 @@ class ExpertTensorParallel(ParallelStyle):
             ``"gather"``: every ``etp`` rank routes all tokens of the group (gathered by
             :class:`PrepareMoEInput` ``routing="replicate"``) and the experts' output is a
             ``Partial`` DTensor on the ``etp`` mesh, reduced to the input layout.
+        overlap: as for :class:`ExpertParallel`.
 
     On a 2-D ``(ep, etp)`` mesh (for example ``meshes.expert["ep", "etp"]``): ``w1``/``w3``
     (``(E, H, D)``) become ``[Shard(0), Shard(1)]`` and ``w2`` (``(E, D, H)``)
@@ -209,6 +231,8 @@ class ExpertTensorParallel(ParallelStyle):
     and the weight scatter.
     Forward ``all_to_all_single`` x 3, backward x 2: over all ranks of the mesh
     (``"all_to_all"``), or over ``ep`` (``"gather"``; none on a 1-D mesh).
+    The ranks that exchange rows must route different tokens, as for :class:`ExpertParallel`
+    (checked the same way on the first training forward).
 
     Raises:
         ValueError: an unknown ``dispatch``; the mesh is not 1-D or 2-D, a 2-D mesh has no
@@ -216,13 +240,18 @@ class ExpertTensorParallel(ParallelStyle):
             or the configuration differs across ranks.
     """
 
-    def __init__(self, *, dispatch: ExpertTPDispatch = "all_to_all") -> None:
+    def __init__(
+        self, *, dispatch: ExpertTPDispatch = "all_to_all", overlap: bool = True
+    ) -> None:
         super().__init__()
         if dispatch not in ("all_to_all", "gather"):
             raise ValueError(
                 f"ExpertTensorParallel: dispatch must be 'all_to_all' or 'gather', got {dispatch!r}"
             )
+        if not isinstance(overlap, bool):
+            raise TypeError(f"ExpertTensorParallel: overlap must be a bool, got {overlap!r}")
         self.dispatch = dispatch
+        self.overlap = overlap
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = repr(self)
@@ -242,10 +271,14 @@ class ExpertTensorParallel(ParallelStyle):
             _distribute_param(module, name, device_mesh, [*lead, Shard(dim)])
         if self.dispatch == "all_to_all":
             mesh = _compat.flatten_mesh(device_mesh)
-            module.dispatcher = _dispatcher(module, mesh=mesh, replicas=etp_mesh.size())
+            module.dispatcher = _dispatcher(
+                module, mesh=mesh, replicas=etp_mesh.size(), overlap=self.overlap
+            )
         else:
             ep_used = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
-            module.dispatcher = _dispatcher(module, mesh=ep_used, partial_mesh=etp_mesh)
+            module.dispatcher = _dispatcher(
+                module, mesh=ep_used, partial_mesh=etp_mesh, overlap=self.overlap
+            )
         return module
 
     @staticmethod
@@ -267,7 +300,7 @@ class ExpertTensorParallel(ParallelStyle):
         return None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(dispatch={self.dispatch!r})"
+        return f"{type(self).__name__}(dispatch={self.dispatch!r}, overlap={self.overlap})"
 
 
 class PrepareMoEInput(ParallelStyle):

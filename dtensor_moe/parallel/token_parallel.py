@@ -165,7 +165,8 @@ class TokenParallelForward:
         # under torch.compile (Note [Expert parallelism under torch.compile]): a DTensor, or a
         # view of one, carried across the break would become a graph output whose gradient
         # AOT autograd cannot match.
-        region_output, region_shape, local_shape = tokens.region_output, tokens.x.shape, x_local.shape
+        region_output, region_shape = tokens.region_output, tokens.x.shape
+        local_shape = x_local.shape
         del tokens, x_in, x_local
         y_TD = moe.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
         if isinstance(y_TD, DTensor):  # expert TP: a Partial DTensor on the etp mesh
@@ -173,7 +174,7 @@ class TokenParallelForward:
         if shared is not None:
             y_TD = y_TD + shared_mlp(x_TD, *shared_local)
         if routing.aux_loss is not None:
-            y_TD = attach_aux_loss(y_TD, routing.aux_loss)
+            y_TD = attach_aux_loss(y_TD, routing.aux_loss, mode=moe.config.aux_loss_mode)
         y = DTensor.from_local(
             y_TD.view(local_shape),
             self.mesh,

@@ -42,6 +42,8 @@ class DemoConfig:
     seed: int
     out: str
     compare_balance: bool
+    compile: bool = False
+    compile_backend: str = "inductor"
 
     @property
     def tokens_per_step(self) -> int:
@@ -51,7 +53,11 @@ class DemoConfig:
         sp = "on" if self.sequence_parallel and self.tp > 1 else "off"
         etp = self.tp if self.expert_tp else 1
         experts = f"ep={self.ep}  etp={etp}  edp={self.world // (self.ep * etp)}"
-        return f"world={self.world}  dense: dp={self.dp}  tp={self.tp}  sp={sp}  experts: {experts}"
+        compiled = "  compiled blocks" if self.compile else ""
+        return (
+            f"world={self.world}  dense: dp={self.dp}  tp={self.tp}  sp={sp}  experts: {experts}"
+            f"{compiled}"
+        )
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -162,6 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
         "show its effect on the load imbalance",
     )
     train.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    train.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each transformer block of the distributed model (inductor), as "
+        "torchtitan does; the parity reference stays eager (docs/parallelism.md, torch.compile)",
+    )
+    train.add_argument(
+        "--compile-backend",
+        choices=("inductor", "aot_eager", "eager"),
+        default="inductor",
+        help="torch.compile backend for --compile",
+    )
     parser.add_argument(
         "--out", default="moe_demo_out", help="directory for metrics.json and training.png"
     )
@@ -317,4 +335,6 @@ def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
         seed=args.seed,
         out=args.out,
         compare_balance=args.compare_balance,
+        compile=args.compile,
+        compile_backend=args.compile_backend,
     )

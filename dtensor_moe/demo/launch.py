@@ -148,6 +148,9 @@ def _run(config: DemoConfig, start: float) -> int:
     model = build_model(config.model, config.seed)
     n_params = sum(p.numel() for p in model.parameters())
     apply_layout(model, meshes, sequence_parallel=config.sequence_parallel)
+    if config.compile:
+        for block in model.layers:  # in place: parameter names stay as they are
+            block.compile(backend=config.compile_backend)
     mesh_lines = describe_layout(model)
     _print_header(say, config, n_params, mesh_lines, chain)
     records = train(

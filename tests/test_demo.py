@@ -7,6 +7,7 @@ CI runs one small setting under ``torchrun --standalone --nproc-per-node 4`` (se
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,8 @@ import sys
 import pytest
 
 from dtensor_moe.demo.config import LayoutError, build_parser, resolve_config
-from dtensor_moe.demo.report import PARITY_TOLERANCE, summarize, summary_lines
+from dtensor_moe.demo.report import PARITY_TOLERANCE, load_lines, summarize, summary_lines
+from dtensor_moe.moe import LayerLoad
 from dtensor_moe.demo.train import StepRecord
 
 SMALL = ["--steps", "6", "--batch", "4", "--seq-len", "13", "--layers", "1", "--dim", "32"]
@@ -53,6 +55,10 @@ def torchrun_metrics(tmp_path_factory) -> dict:
     proc = _run(cmd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "-> OK" in proc.stdout and "load balancing:" in proc.stdout, proc.stdout
+    # dtensor_moe.moe.load_stats at the end, rank 0 only: one line per MoE layer (--layers 1)
+    assert proc.stdout.count("router load at step 6") == 1, proc.stdout
+    assert proc.stdout.count("layers.0.moe: tokens/expert min") == 1, proc.stdout
+    assert "dropped 0" in proc.stdout, proc.stdout
     return _check_metrics(out, steps=6)
 
 
@@ -151,6 +157,16 @@ def _records(losses: list[float], loads: list[float]) -> list[StepRecord]:
             expert_load=[[load, 1.0 - load]],
         )
         for i, (loss, load) in enumerate(zip(losses, loads, strict=True))
+    ]
+
+
+def test_load_lines():
+    layer = LayerLoad.from_counts("layers.0.moe", [6, 0, 2, 4])
+    record = dataclasses.replace(_records([1.0], [0.5])[0], load=(layer,))
+    assert load_lines(record) == [
+        "router load at step 1 (tokens x top-k per expert, all ranks):",
+        "  layers.0.moe: tokens/expert min 0 max 6 mean 3.0 cv 0.75; dead experts 1/4; "
+        "dropped 0",
     ]
 
 

@@ -44,7 +44,13 @@ from dtensor_moe.demo.config import (
 )
 from dtensor_moe.demo.data import MarkovChain
 from dtensor_moe.demo.layout import apply_layout, describe_layout
-from dtensor_moe.demo.report import progress_line, summarize, summary_lines, write_outputs
+from dtensor_moe.demo.report import (
+    load_lines,
+    progress_line,
+    summarize,
+    summary_lines,
+    write_outputs,
+)
 from dtensor_moe.demo.train import build_model, run_single_process, train
 from dtensor_moe.parallel import build_moe_meshes
 from dtensor_moe.parallel.objects import all_gather_objects
@@ -163,6 +169,8 @@ def _run(config: DemoConfig, start: float) -> int:
         on_step=lambda r: say(progress_line(r, config.steps), flush=True),
     )
     train_s = time.time() - start
+    if records:
+        say("\n".join(load_lines(records[-1])), flush=True)
     say(f"distributed run done; rerunning the {config.steps} steps in one process ...", flush=True)
     runs = _single_process_runs(config, chain, rank)
     if rank != 0:

@@ -14,6 +14,7 @@ from dtensor_moe.demo.train import StepRecord
 __all__ = [
     "PARITY_TOLERANCE",
     "Summary",
+    "load_lines",
     "progress_line",
     "summarize",
     "summary_lines",
@@ -58,6 +59,13 @@ def progress_line(record: StepRecord, steps: int) -> str:
         f"tok/s {record.tokens_per_s:>7,.0f}  grad-norm {record.grad_norm:.3f}  "
         f"imbalance {record.imbalance:.2f}"
     )
+
+
+def load_lines(record: StepRecord) -> list[str]:
+    """The router load of the last step, one compact line per MoE layer
+    (:func:`dtensor_moe.moe.load_stats`, summed over all ranks)."""
+    head = f"router load at step {record.step} (tokens x top-k per expert, all ranks):"
+    return [head, *(f"  {layer.line()}" for layer in record.load)]
 
 
 def _tail_mean(values: list[float]) -> float:

@@ -13,7 +13,8 @@ One step, on every rank (Note [Demo step]):
    over dp, so they are the grads of the mean loss over the global batch;
 3. ``dtensor_moe.clip_grad_norm_(model.parameters(), max_norm)``: one call, whatever meshes the
    params live on; it returns the global norm before clipping;
-4. read the router counters (tokens per expert since the last step), summed over all ranks;
+4. read the router counters (tokens per expert since the last step), summed over all ranks:
+   :func:`dtensor_moe.moe.load_stats`, one all-reduce for every layer;
 5. one fused ``AdamW.step()`` over every param;
 6. ``update_expert_bias`` (aux-loss-free balancing) or, with ``--no-balance``, reset the
    counters.
@@ -40,7 +41,7 @@ import dtensor_moe
 from dtensor_moe.demo.config import DemoConfig
 from dtensor_moe.demo.data import MarkovChain
 from dtensor_moe.demo.model import ModelConfig, MoETransformer
-from dtensor_moe.moe import TokenChoiceTopKRouter, update_expert_bias
+from dtensor_moe.moe import LayerLoad, TokenChoiceTopKRouter, load_stats, update_expert_bias
 from dtensor_moe import collect_aux_losses
 
 __all__ = ["StepRecord", "build_model", "run_single_process", "train"]
@@ -56,6 +57,7 @@ class StepRecord:
     tokens_per_s: float
     imbalance: float
     expert_load: list[list[float]]  # (M, E): share of the routed tokens each expert received
+    load: tuple[LayerLoad, ...] = ()  # per MoE layer: tokens per expert this step, all ranks
 
 
 def build_model(config: ModelConfig, seed: int) -> MoETransformer:
@@ -68,16 +70,14 @@ def _routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:
     return [m for m in model.modules() if isinstance(m, TokenChoiceTopKRouter)]
 
 
-def _expert_counts(model: nn.Module, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Tokens routed to each expert of each layer this step, summed over ``group``: (M, E).
+def _load(model: nn.Module, group: dist.ProcessGroup | None) -> tuple[LayerLoad, ...]:
+    """Tokens routed to each expert of each layer this step, summed over ``group``.
 
     Every token is counted by exactly one rank (Note [Global router statistics] in
-    ``dtensor_moe/parallel/token_parallel.py``), so the sum is the global count.
+    ``dtensor_moe/parallel/token_parallel.py``), so the sum is the global count. The
+    single-process rerun (``group=None``) runs inside the distributed job: "local" then.
     """
-    counts_ME = torch.stack([r.tokens_per_expert for r in _routers(model)]).to(torch.float64)
-    if group is not None:
-        dist.all_reduce(counts_ME, group=group)
-    return counts_ME
+    return tuple(load_stats(model, process_group=group if group is not None else "local"))
 
 
 def _imbalance(counts_ME: torch.Tensor) -> float:
@@ -122,7 +122,8 @@ def train(
         loss = F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL[rows].flatten())
         (loss + aux.total()).backward()  # the reported loss is the cross-entropy alone
         grad_norm = dtensor_moe.clip_grad_norm_(model.parameters(), config.max_norm)
-        counts_ME = _expert_counts(model, group)
+        load = _load(model, group)
+        counts_ME = torch.tensor([layer.counts for layer in load], dtype=torch.float64)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if balance:
@@ -137,6 +138,7 @@ def train(
             tokens_per_s=config.tokens_per_step / (time.perf_counter() - start),
             imbalance=_imbalance(counts_ME),
             expert_load=(counts_ME / counts_ME.sum(dim=-1, keepdim=True)).tolist(),
+            load=load,
         )
         records.append(record)
         if on_step is not None:

@@ -6,6 +6,7 @@ from dtensor_moe.moe.balance import (
     AuxLosses,
     attach_aux_loss,
     collect_aux_losses,
+    set_aux_loss_group,
     update_expert_bias,
 )
 from dtensor_moe.moe.config import MoEConfig
@@ -27,6 +28,7 @@ from dtensor_moe.moe.experts import (
     swiglu_mlp,
 )
 from dtensor_moe.moe.layer import MoE
+from dtensor_moe.moe.losses import global_aux_loss_from_sums, router_losses, z_loss
 from dtensor_moe.moe.router import (
     RouterOutput,
     TokenChoiceTopKRouter,
@@ -34,6 +36,7 @@ from dtensor_moe.moe.router import (
     sequence_aux_loss,
     sequence_sums,
 )
+from dtensor_moe.moe.stats import LayerLoad, load_stats
 
 __all__ = [
     "AuxLossBackward",
@@ -41,6 +44,7 @@ __all__ = [
     "DispatchMetadata",
     "ExpertLayout",
     "GroupedExperts",
+    "LayerLoad",
     "MoE",
     "MoEConfig",
     "RouterOutput",
@@ -50,15 +54,20 @@ __all__ = [
     "attach_aux_loss",
     "collect_aux_losses",
     "aux_loss_from_sums",
+    "global_aux_loss_from_sums",
     "grouped_swiglu",
+    "load_stats",
     "local_expert_weight",
     "permute_tokens",
+    "router_losses",
     "scores_in_rows",
     "sequence_aux_loss",
     "sequence_sums",
+    "set_aux_loss_group",
     "sort_by_expert",
     "shared_mlp",
     "swiglu_mlp",
     "unpermute_and_reduce",
     "update_expert_bias",
+    "z_loss",
 ]

@@ -61,6 +61,7 @@ __all__ = [
     "AuxLosses",
     "attach_aux_loss",
     "collect_aux_losses",
+    "set_aux_loss_group",
     "update_expert_bias",
 ]
 
@@ -259,3 +260,33 @@ def update_expert_bias(
     for router, delta_E in zip(routers, delta_ME):
         router.expert_bias.add_(delta_E.to(router.expert_bias.dtype))
         router.tokens_per_expert.zero_()
+
+
+def set_aux_loss_group(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Sum the ``"global_batch"`` balance-loss statistics of every router in ``module`` over
+    ``group`` (``None``: back to this rank's batch; Note [Router loss shares] in ``losses.py``).
+
+    ``group`` must hold every rank that routes tokens of the global batch, each token on
+    exactly one of them (the dense mesh's dp x tp ranks; ``dist.group.WORLD`` for the meshes of
+    :func:`~dtensor_moe.parallel.build_moe_meshes`, whose dense mesh covers every rank), and
+    every rank of it must run each training forward. Each forward then runs one
+    ``all_reduce`` of ``2 * E + 2`` floats over ``group`` (in place of the one over tp under
+    token parallelism). Configuration, like the parallel styles: call it once, before
+    training, on every rank.
+
+    Raises:
+        ValueError: when ``module`` holds no router with ``aux_loss_type="global_batch"``.
+    """
+    routers = [
+        m
+        for m in module.modules()
+        if isinstance(m, TokenChoiceTopKRouter) and m.config.aux_loss_type == "global_batch"
+    ]
+    if not routers:
+        raise ValueError(
+            f"set_aux_loss_group found no router with aux_loss_type='global_batch' in "
+            f"{type(module).__name__}; build the MoE layers with "
+            "MoEConfig(aux_loss_type='global_batch', aux_loss_coeff=...)"
+        )
+    for router in routers:
+        router.aux_loss_group = group

@@ -9,15 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["AuxLossMode", "ComputePath", "MoEConfig", "ScoreFunc"]
+__all__ = ["AuxLossMode", "AuxLossType", "ComputePath", "MoEConfig", "ScoreFunc"]
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 ComputePath = Literal["auto", "grouped_mm", "loop", "bmm"]
 AuxLossMode = Literal["collect", "attach"]
+AuxLossType = Literal["sequence", "global_batch"]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
 _COMPUTE_PATHS = ("auto", "grouped_mm", "loop", "bmm")
 _AUX_LOSS_MODES = ("collect", "attach")
+_AUX_LOSS_TYPES = ("sequence", "global_batch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +41,13 @@ class MoEConfig:
             or the expert outputs in combine (``False``).
         use_expert_bias: keep an auxiliary-loss-free expert bias that changes expert selection
             only; update it with :func:`~dtensor_moe.moe.update_expert_bias`.
-        aux_loss_coeff: coefficient of the sequence-level auxiliary loss; ``0`` disables it.
+        aux_loss_coeff: coefficient of the auxiliary balance loss; ``0`` disables it.
+        aux_loss_type: ``"sequence"`` (DeepSeek-V3's per-sequence balance loss, averaged over
+            the sequences) or ``"global_batch"`` (one balance loss over the statistics of the
+            whole global batch, reduced over the router's ``aux_loss_group``).
+        z_loss_coeff: coefficient of the router z-loss, ``coeff * mean_t logsumexp(logits_t)^2``
+            over the routed tokens; ``0`` disables it. It travels with the auxiliary loss
+            (same collector, same ``aux_loss_mode``).
         aux_loss_mode: where the auxiliary loss goes when no
             :func:`~dtensor_moe.moe.balance.collect_aux_losses` block is open (inside one, it is
             always collected): ``"collect"`` raises ``ValueError`` in a training forward,
@@ -67,7 +75,9 @@ class MoEConfig:
     score_before_experts: bool = False
     use_expert_bias: bool = False
     aux_loss_coeff: float = 0.0
+    aux_loss_type: AuxLossType = "sequence"
     aux_loss_mode: AuxLossMode = "collect"
+    z_loss_coeff: float = 0.0
     num_shared_experts: int = 0
     shared_hidden_dim: int | None = None
     shared_expert_gate: bool = False
@@ -127,6 +137,14 @@ class MoEConfig:
         if self.aux_loss_coeff < 0:
             raise ValueError(
                 f"MoEConfig.aux_loss_coeff must be >= 0 (0 disables it), got {self.aux_loss_coeff}"
+            )
+        if self.aux_loss_type not in _AUX_LOSS_TYPES:
+            raise ValueError(
+                f"MoEConfig.aux_loss_type={self.aux_loss_type!r} is not one of {_AUX_LOSS_TYPES}"
+            )
+        if not self.z_loss_coeff >= 0:
+            raise ValueError(
+                f"MoEConfig.z_loss_coeff must be >= 0 (0 disables it), got {self.z_loss_coeff}"
             )
         if self.aux_loss_mode not in _AUX_LOSS_MODES:
             raise ValueError(

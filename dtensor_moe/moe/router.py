@@ -21,6 +21,12 @@ from torch import nn
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.config import MoEConfig
+from dtensor_moe.moe.losses import (
+    LossTokens,
+    aux_loss_from_sums,
+    router_losses,
+    sequence_sums,
+)
 
 __all__ = [
     "RouterOutput",
@@ -30,6 +36,9 @@ __all__ = [
     "sequence_aux_loss",
     "sequence_sums",
 ]
+
+# aux_loss_from_sums and sequence_sums live in losses.py (Note [Router loss shares]); they stay
+# importable from here.
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,10 +50,13 @@ class RouterOutput:
         topk_ids_TK: selected expert ids (int64), in ``[0, E)``.
         counts_E: tokens this forward sent to each expert (int64). A plain tensor, so that a
             parallel layer can all-reduce it.
-        aux_loss: the sequence-level auxiliary loss, already multiplied by
-            ``aux_loss_coeff`` (0-dim float32), or ``None`` when disabled or not training. The
-            layer hands it to :func:`~dtensor_moe.moe.balance.attach_aux_loss`, which collects
-            or attaches it (Note [Auxiliary loss follows the loss] in ``balance.py``).
+        aux_loss: the router losses of this forward, each already multiplied by its
+            coefficient, summed: the balance loss (``aux_loss_coeff``) and the z-loss
+            (``z_loss_coeff``); 0-dim float32, or ``None`` when both are disabled or not
+            training. Under token parallelism it is this rank's share (Note [Router loss
+            shares] in ``losses.py``). The layer hands it to
+            :func:`~dtensor_moe.moe.balance.attach_aux_loss`, which collects or attaches it
+            (Note [Auxiliary loss follows the loss] in ``balance.py``).
     """
 
     topk_scores_TK: torch.Tensor
@@ -114,55 +126,6 @@ def _limit_to_top_groups(
     return select_TGS.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
 
-def sequence_sums(
-    aux_scores_TE: torch.Tensor,
-    topk_ids_TK: torch.Tensor,
-    sequence_T: torch.Tensor,
-    num_sequences: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence statistics of the auxiliary loss over the given tokens.
-
-    Args:
-        aux_scores_TE: per-token normalised scores (see :func:`sequence_aux_loss`).
-        topk_ids_TK: selected experts of each token.
-        sequence_T: index in ``[0, B)`` of the sequence each token belongs to (int64).
-        num_sequences: ``B``.
-
-    Returns:
-        ``(hits_BE, sums_BE)``: counts of (token, expert) selections per sequence (a constant)
-        and the differentiable sums of the scores per sequence, both as one matmul with the
-        token-to-sequence membership (deterministic, no scatter-add). Both are sums over tokens,
-        so statistics of disjoint token sets add up: a parallel layer sums them over the ranks
-        that split the tokens of a sequence.
-    """
-    member_TB = (
-        sequence_T.unsqueeze(1) == torch.arange(num_sequences, device=sequence_T.device)
-    ).to(aux_scores_TE.dtype)
-    selected_TE = torch.zeros_like(aux_scores_TE, dtype=member_TB.dtype).scatter_(
-        1, topk_ids_TK, 1.0
-    )
-    hits_BE = member_TB.T @ selected_TE
-    sums_BE = member_TB.T @ aux_scores_TE
-    return hits_BE, sums_BE
-
-
-def aux_loss_from_sums(
-    hits_BE: torch.Tensor, sums_BE: torch.Tensor, *, seq_len: int, top_k: int, coeff: float
-) -> torch.Tensor:
-    """``coeff * mean_b sum_e f_be * P_be`` from per-sequence sums (DeepSeek-V3 style).
-
-    ``f_be = E / (K * L) * hits_be`` is a constant and ``P_be = sums_be / L``; the loss is
-    linear in ``sums_BE``, so the loss of a token subset with the *global* ``hits_BE`` is that
-    subset's share of the loss, and the shares add up to the loss. This is the one formula of
-    the loss; see :func:`sequence_sums`.
-    """
-    B, E = sums_BE.shape
-    if B * seq_len == 0:
-        return sums_BE.sum() * 0.0
-    scale = coeff * E / (top_k * seq_len * seq_len * B)
-    return (hits_BE * sums_BE).sum() * scale
-
-
 def sequence_aux_loss(
     scores_TE: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -203,10 +166,16 @@ class TokenChoiceTopKRouter(nn.Module):
     in a bf16 model routes in float32, as DeepSeek-V3's router does.
 
     Attributes:
-        last_aux_loss: detached value of the last auxiliary loss, for logging only (``None``
+        last_aux_loss: detached value of the last balance loss, for logging only (``None``
             before the first training forward or when the loss is disabled). Nothing reads it.
+        last_z_loss: the same for the z-loss (``z_loss_coeff``).
+        aux_loss_group: process group over which a ``"global_batch"`` balance loss sums its
+            statistics (``None``: this rank's batch, or its tp group's under token
+            parallelism). Configuration, set by
+            :func:`~dtensor_moe.moe.balance.set_aux_loss_group`.
 
-    No collective runs in forward or backward.
+    No collective runs in forward or backward, except the one forward ``all_reduce`` of a
+    ``"global_batch"`` balance loss with an ``aux_loss_group``.
     """
 
     def __init__(self, config: MoEConfig) -> None:
@@ -218,6 +187,8 @@ class TokenChoiceTopKRouter(nn.Module):
         counts = torch.zeros(config.num_experts, dtype=torch.int64)
         self.register_buffer("tokens_per_expert", counts, persistent=False)
         self.last_aux_loss: torch.Tensor | None = None
+        self.last_z_loss: torch.Tensor | None = None
+        self.aux_loss_group: object | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -234,24 +205,21 @@ class TokenChoiceTopKRouter(nn.Module):
 
         The steps are public so that a parallel layer can run them on its own token split:
         ``gate`` -> :meth:`scores` -> :meth:`select` -> :meth:`combine_weights`, the counter
-        (:meth:`count_tokens`) and the auxiliary loss (:meth:`aux_scores`,
-        :func:`sequence_sums`, :func:`aux_loss_from_sums`).
+        (:meth:`count_tokens`) and the router losses
+        (:func:`~dtensor_moe.moe.losses.router_losses` on the token set it routes).
+
+        Collectives: none, except one forward ``all_reduce`` of the statistics of a
+        ``"global_batch"`` balance loss when ``aux_loss_group`` is set.
         """
         cfg = self.config
         self._check_input(x_TD, num_sequences)
-        scores_TE = self.scores(self.gate(x_TD.to(self.gate.weight.dtype)))
+        logits_TE = self.gate(x_TD.to(self.gate.weight.dtype))
+        scores_TE = self.scores(logits_TE)
         topk_ids_TK = self.select(scores_TE)
         topk_scores_TK = self.combine_weights(scores_TE, topk_ids_TK)
         counts_E = expert_counts(topk_ids_TK, cfg.num_experts)
-        aux_loss = None
-        if self.training and cfg.aux_loss_coeff > 0:
-            aux_loss = sequence_aux_loss(
-                self.aux_scores(scores_TE),
-                topk_ids_TK,
-                num_sequences=num_sequences,
-                coeff=cfg.aux_loss_coeff,
-            )
-            self.last_aux_loss = aux_loss.detach()
+        tokens = LossTokens.whole(x_TD.shape[0], num_sequences, x_TD.device)
+        aux_loss = router_losses(self, logits_TE, scores_TE, topk_ids_TK, tokens)
         if count:
             self.count_tokens(counts_E)
         return RouterOutput(
@@ -321,5 +289,6 @@ class TokenChoiceTopKRouter(nn.Module):
         cfg = self.config
         return (
             f"num_experts={cfg.num_experts}, top_k={cfg.top_k}, score_func={cfg.score_func!r}, "
-            f"expert_bias={cfg.use_expert_bias}, aux_loss_coeff={cfg.aux_loss_coeff}"
+            f"expert_bias={cfg.use_expert_bias}, aux_loss_coeff={cfg.aux_loss_coeff}, "
+            f"aux_loss_type={cfg.aux_loss_type!r}, z_loss_coeff={cfg.z_loss_coeff}"
         )

@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -57,13 +56,8 @@ from dtensor_moe import _compat
 from dtensor_moe.moe.balance import attach_aux_loss
 from dtensor_moe.moe.experts import shared_mlp
 from dtensor_moe.moe.layer import MoE
-from dtensor_moe.moe.router import (
-    RouterOutput,
-    TokenChoiceTopKRouter,
-    aux_loss_from_sums,
-    expert_counts,
-    sequence_sums,
-)
+from dtensor_moe.moe.losses import LossTokens, router_losses
+from dtensor_moe.moe.router import RouterOutput, TokenChoiceTopKRouter, expert_counts
 from dtensor_moe.parallel.mesh import local_rank, mesh_ranks
 from dtensor_moe.parallel.padding import TokenShardMeta
 
@@ -131,8 +125,10 @@ class TokenParallelForward:
     replicate / ``Replicate``  all-reduce              all-reduce
     ========================  ======================  ========================
 
-    plus, in training with ``aux_loss_coeff > 0`` and ``"split"`` routing, one forward
-    all-reduce of the per-sequence router statistics.
+    plus, in training with ``aux_loss_coeff > 0`` or ``z_loss_coeff > 0`` and ``"split"``
+    routing, one forward all-reduce of the router statistics (over the router's
+    ``aux_loss_group`` instead of tp for a ``"global_batch"`` balance loss with a group, which
+    also adds it under ``"replicate"``).
     """
 
     mesh: DeviceMesh
@@ -320,11 +316,13 @@ class TokenParallelForward:
         tp ranks route the same tokens, so a rank counts only its ``1/tp`` flat slice
         (``tokens.owned``). Summing the counters over all ranks (``update_expert_bias(...,
         process_group=dist.group.WORLD)``) therefore gives the global count and the same bias
-        update on every rank. The auxiliary loss of a data-parallel rank is the single-device
-        loss of its batch: the selection counts per sequence are summed over the tp ranks
+        update on every rank. The router losses (balance and z-loss) of a data-parallel rank
+        are the single-device losses of its batch: the statistics are summed over the tp ranks
         (one all-reduce under ``"split"``; local under ``"replicate"``), and each rank adds
-        the share of the loss that its own tokens' scores carry (the loss is linear in the
-        score sums), so the shares add up over tp to the loss, and so do their gradients.
+        the share of the losses that its own tokens carry, so the shares add up over tp to the
+        losses, and so do their gradients (Note [Router loss shares] in
+        ``dtensor_moe/moe/losses.py``, which also says how a ``"global_batch"`` balance loss
+        reduces over its ``aux_loss_group`` instead).
         """
         cfg = router.config
         scores_TE = router.scores(logits_TE)
@@ -334,9 +332,14 @@ class TokenParallelForward:
         owned_counts_E = counts_E
         if tokens.owned is not None:
             owned_counts_E = expert_counts(topk_ids_TK[tokens.owned], cfg.num_experts)
-        aux_loss = None
-        if router.training and cfg.aux_loss_coeff > 0:
-            aux_loss = self._aux_loss(router, scores_TE, topk_ids_TK, tokens, (batch, seq_len))
+        loss_tokens = LossTokens(
+            sequence_T=tokens.sequence_T,
+            num_sequences=batch,
+            seq_len=seq_len,
+            owned=tokens.owned,
+            shard_group=self.mesh if tokens.owned is None else None,
+        )
+        aux_loss = router_losses(router, logits_TE, scores_TE, topk_ids_TK, loss_tokens)
         routing = RouterOutput(
             topk_scores_TK=topk_scores_TK.to(dtype),
             topk_ids_TK=topk_ids_TK,
@@ -344,27 +347,3 @@ class TokenParallelForward:
             aux_loss=aux_loss,
         )
         return routing, owned_counts_E
-
-    def _aux_loss(
-        self,
-        router: TokenChoiceTopKRouter,
-        scores_TE: torch.Tensor,
-        topk_ids_TK: torch.Tensor,
-        tokens: _Tokens,
-        batch_and_len: tuple[int, int],
-    ) -> torch.Tensor:
-        cfg = router.config
-        B, L = batch_and_len
-        aux_TE = router.aux_scores(scores_TE)
-        hits_BE, sums_BE = sequence_sums(aux_TE, topk_ids_TK, tokens.sequence_T, B)
-        if tokens.owned is None:
-            stats = funcol.all_reduce(torch.cat([hits_BE, sums_BE.detach()]), "sum", self.mesh)
-            hits_BE, all_sums_BE = stats.split(B)
-            own_sums_BE = sums_BE
-        else:
-            all_sums_BE = sums_BE.detach()
-            o = tokens.owned
-            _, own_sums_BE = sequence_sums(aux_TE[o], topk_ids_TK[o], tokens.sequence_T[o], B)
-        kwargs = dict(seq_len=L, top_k=cfg.top_k, coeff=cfg.aux_loss_coeff)
-        router.last_aux_loss = aux_loss_from_sums(hits_BE, all_sums_BE, **kwargs).detach()
-        return aux_loss_from_sums(hits_BE, own_sums_BE, **kwargs)

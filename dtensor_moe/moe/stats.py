@@ -1,0 +1,154 @@
+"""Load telemetry: tokens per expert of every MoE router, reduced over ranks in one collective.
+
+Shape legend:
+    M  routers (MoE layers) in the module tree      E  routed experts
+
+The figures come from each router's ``tokens_per_expert`` counter: the (token, expert) pairs
+routed since the counter was last reset (by :func:`~dtensor_moe.moe.update_expert_bias`, or by
+``load_stats(..., reset=True)``), counted in training mode only. Under every parallel layout each
+token is counted on exactly one rank (Note [Global router statistics] in
+``dtensor_moe/parallel/token_parallel.py``), so the sum over all ranks is the global count.
+"""
+
+# ruff: noqa: N806
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtensor_moe.moe.router import TokenChoiceTopKRouter
+
+__all__ = ["LayerLoad", "load_stats"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerLoad:
+    """Tokens per expert of one router, summed over ranks.
+
+    Attributes:
+        name: the router's owner's name in ``model.named_modules()`` (the MoE layer; the
+            router's own name when it has no MoE parent).
+        counts: (token, expert) pairs routed to each expert.
+        total: ``sum(counts)``: routed tokens times ``top_k``.
+        min, max: fewest and most tokens an expert received.
+        mean: ``total / E``.
+        cv: coefficient of variation, ``std / mean`` with the population std (0: perfectly
+            balanced); ``nan`` when no token was counted.
+        dead: experts that received no token.
+        dropped: tokens dropped for lack of expert capacity. Always 0: routing is dropless
+            (every selected (token, expert) pair is computed), so nothing is dropped; the field
+            is here so that a capacity factor can report into it.
+    """
+
+    name: str
+    counts: tuple[int, ...]
+    total: int
+    min: int
+    max: int
+    mean: float
+    cv: float
+    dead: tuple[int, ...]
+    dropped: int = 0
+
+    @classmethod
+    def from_counts(cls, name: str, counts: list[int]) -> LayerLoad:
+        """The figures of one counter (plain ints: exact)."""
+        E, total = len(counts), sum(counts)
+        mean = total / E
+        if total == 0:
+            cv = math.nan
+        else:
+            cv = math.sqrt(sum((c - mean) ** 2 for c in counts) / E) / mean
+        return cls(
+            name=name,
+            counts=tuple(counts),
+            total=total,
+            min=min(counts),
+            max=max(counts),
+            mean=mean,
+            cv=cv,
+            dead=tuple(e for e, c in enumerate(counts) if c == 0),
+        )
+
+    def line(self) -> str:
+        """One compact line: ``name: tokens/expert min .. max, mean .., cv .., dead .., ...``."""
+        return (
+            f"{self.name}: tokens/expert min {self.min} max {self.max} mean {self.mean:.1f} "
+            f"cv {self.cv:.2f}; dead experts {len(self.dead)}/{len(self.counts)}; "
+            f"dropped {self.dropped}"
+        )
+
+
+def _named_routers(model: nn.Module) -> list[tuple[str, TokenChoiceTopKRouter]]:
+    named = []
+    for name, module in model.named_modules():
+        if isinstance(module, TokenChoiceTopKRouter):
+            owner, _, child = name.rpartition(".")
+            named.append((owner if child == "router" else name, module))
+    return named
+
+
+def _group(process_group: object) -> dist.ProcessGroup | None:
+    """The group ``load_stats`` reduces over (``None``: no collective)."""
+    if process_group == "world" and isinstance(process_group, str):
+        initialized = dist.is_available() and dist.is_initialized()
+        return dist.group.WORLD if initialized else None
+    if isinstance(process_group, str) or process_group is None:
+        if process_group == "local":
+            return None
+        raise ValueError(
+            f"load_stats: process_group={process_group!r} is not 'world', 'local' or a "
+            "ProcessGroup; pass 'local' for this process's counters alone"
+        )
+    return process_group
+
+
+def load_stats(
+    model: nn.Module,
+    *,
+    process_group: dist.ProcessGroup | Literal["world", "local"] = "world",
+    reset: bool = False,
+) -> list[LayerLoad]:
+    """Tokens-per-expert figures of every MoE layer in ``model``, in module order.
+
+    Keyword Args:
+        process_group: the ranks whose counters are summed. ``"world"`` (default): every
+            rank (``dist.group.WORLD``) when ``torch.distributed`` is initialized, which is the
+            global count under every layout of ``dtensor_moe.parallel``, and this process
+            alone otherwise; ``"local"``: this process's counters, no collective; or a group.
+        reset: zero the counters afterwards (what :func:`~dtensor_moe.moe.update_expert_bias`
+            also does). Leave it ``False`` when the expert bias is updated from them.
+
+    Collectives: one ``all_reduce`` of the ``M * E`` int64 counts (every layer at once) when
+    a group applies; nothing runs during the forward. Call it on every rank of the group.
+
+    Raises:
+        ValueError: when ``model`` holds no router, or ``process_group`` is another string.
+    """
+    group = _group(process_group)
+    named = _named_routers(model)
+    if not named:
+        raise ValueError(
+            f"load_stats found no TokenChoiceTopKRouter in {type(model).__name__}; pass the "
+            "model that holds the MoE layers"
+        )
+    # every layer's counter in one flat int64 tensor (layers may differ in E): one collective
+    counts_N = torch.cat([r.tokens_per_expert.detach().reshape(-1) for _, r in named]).clone()
+    if group is not None:
+        dist.all_reduce(counts_N, group=group)
+    if reset:
+        with torch.no_grad():
+            for _, router in named:
+                router.tokens_per_expert.zero_()
+    flat, sizes = counts_N.tolist(), [r.tokens_per_expert.numel() for _, r in named]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [
+        LayerLoad.from_counts(name, flat[start : start + size])
+        for (name, _), start, size in zip(named, starts, sizes, strict=True)
+    ]

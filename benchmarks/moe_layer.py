@@ -12,6 +12,7 @@ Run::
     python benchmarks/moe_layer.py                 # layout "single": one process
     python benchmarks/moe_layer.py --shared 1      # with one shared expert
     python benchmarks/moe_layer.py --layout ep4    # 4 gloo processes x 1 thread
+    python benchmarks/moe_layer.py --layout ep4 --compile  # + torch.compile(moe), side by side
 
 Layouts: ``--layout`` picks an entry of ``LAYOUTS``. The parallel layouts (``PARALLEL``) launch
 ``world`` gloo processes with ``--threads`` threads each; every rank routes ``--tokens``
@@ -29,6 +30,14 @@ layout), replayed at the sizes and in the order that one step issued them, betwe
 barriers, with no expert math around them. When every core is busy, ``exchanges / floor`` is
 what they add to ``step / floor`` however well they overlap.
 
+``--compile`` adds a compiled column: the same layer under ``torch.compile(moe)`` (backend
+``--compile-backend``, inductor by default), stepped in every repeat next to the eager step, in
+alternating order. It prints both medians, the median of per-repeat ``compiled / eager``
+ratios, the first compiled step (compilation included) on its own, and dynamo's counts: graphs,
+graph breaks, and the frames it compiled again during the timed repeats (recompiles; 0 when
+the guards hold). ``--compile-cache fresh`` compiles into an empty inductor cache, as a first
+run does; ``default`` reuses torch's cache directory, as later runs do.
+
 ``--free-exchanges`` is a diagnostic for the parallel layouts: the one-node expert-parallel
 path's all-to-alls become local copies, as if every rank received exactly the rows it sent.
 The outputs are wrong, but the work is that of a symmetric exchange, so the ratio shows what
@@ -40,8 +49,11 @@ the layer costs without the exchanges themselves (``docs/benchmarks.md``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,33 +101,125 @@ def _routed_rows(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return routed_RD.clone().requires_grad_(), counts_e
 
 
+def _timed_cpu(fn: Callable[[], None]) -> tuple[float, float]:
+    """Wall time and process CPU time (every thread) of one call."""
+    cpu = time.process_time()
+    wall = _timed(fn)
+    return wall, time.process_time() - cpu
+
+
+def _step_fn(layer: Callable, x: torch.Tensor, grad_y: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward of ``layer`` (the eager ``MoE`` or ``torch.compile`` of it)."""
+
+    def step() -> None:
+        y = layer(x)
+        (y.to_local() if hasattr(y, "to_local") else y).backward(grad_y)
+
+    return step
+
+
+def _compiled(moe: MoE, args: argparse.Namespace) -> Callable:
+    """``torch.compile(moe)`` as ``--compile-backend`` / ``--compile-mode`` say."""
+    mode = None if args.compile_mode == "default" else args.compile_mode
+    # Set in every process (the ranks are spawned): one break per eager region, not one per
+    # Python frame around it (docs/parallelism.md, torch.compile).
+    torch._dynamo.config.nested_graph_breaks = args.nested_graph_breaks
+    return torch.compile(moe, backend=args.compile_backend, mode=mode)
+
+
+def _measure(
+    timer: Callable[[Callable[[], None]], tuple[float, float]],
+    args: argparse.Namespace,
+    fns: dict[str, Callable[[], None]],
+) -> dict[str, object]:
+    """``args.warmup`` untimed rounds, then ``args.repeats`` rounds timing each of ``fns`` once.
+
+    With a ``"compiled"`` entry, its first call (compilation included) is timed alone, before
+    the warm-up, and ``"step"`` and ``"compiled"`` swap places every other round, so that
+    neither always runs in the caches the other left. ``recompiles`` counts the frames dynamo
+    converted during the timed rounds: a cache hit converts none.
+    """
+    from torch._dynamo.utils import counters
+
+    first = timer(fns["compiled"]) if "compiled" in fns else (float("nan"), float("nan"))
+    for _ in range(args.warmup):
+        for fn in fns.values():
+            timer(fn)
+    frames = counters["frames"]["total"]
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    for i in range(args.repeats):
+        names = list(fns)
+        if i % 2 and "compiled" in fns:
+            a, b = names.index("step"), names.index("compiled")
+            names[a], names[b] = names[b], names[a]
+        for name in names:
+            times[name].append(timer(fns[name]))
+    return {
+        "times": times,
+        "first_compiled": first,
+        "dynamo": [
+            counters["frames"]["total"] - frames,  # recompiles during the timed rounds
+            counters["stats"]["unique_graphs"],
+            sum(counters["graph_break"].values()),
+        ],
+    }
+
+
+def _medians(times: dict[str, list[tuple[float, float]]], which: int) -> dict[str, float]:
+    """Median ms of each entry, and median per-repeat ratios to the eager step and the floor.
+
+    ``which`` picks wall time (0) or CPU time (1) from the ``(wall, cpu)`` pairs.
+    """
+    out = {f"{n}_ms": 1e3 * statistics.median(t[which] for t in ts) for n, ts in times.items()}
+    ratios = ("step", "floor"), ("compiled", "floor"), ("compiled", "step"), ("exchanges", "floor")
+    for num, den in ratios:
+        if num in times and den in times:
+            pairs = zip(times[num], times[den])
+            out[f"{num}/{den}"] = statistics.median(n[which] / d[which] for n, d in pairs)
+    return out
+
+
+def _compile_result(measured: dict[str, object]) -> dict[str, object]:
+    recompiles, graphs, breaks = measured["dynamo"]
+    return {
+        "compile_s": measured["first_compiled"][0],
+        "recompiles": int(recompiles),
+        "graphs": int(graphs),
+        "graph_breaks": int(breaks),
+    }
+
+
 def run_single(args: argparse.Namespace) -> dict[str, object]:
-    """One process: the layer step and the expert floor, alternately, ``args.repeats`` times."""
+    """One process: the layer step and the expert floor, alternately, ``args.repeats`` times
+    (with ``--compile``, the compiled layer's step too)."""
     moe, x, grad_y = _build(args)
     routed_RD, counts_e = _routed_rows(moe, x)
     ex = moe.experts
     path = resolve_compute_path(args.path, routed_RD, ex.w1, counts_e.tolist())
     grad_RD = torch.randn_like(routed_RD)
 
-    def step() -> None:
-        moe(x).backward(grad_y)
-
     def floor() -> None:
         grouped_swiglu(routed_RD, ex.w1, ex.w2, ex.w3, counts_e, path).backward(grad_RD)
 
-    for _ in range(args.warmup):
-        step(), floor()
-    steps, floors = [], []
-    for _ in range(args.repeats):
-        steps.append(_timed(step))
-        floors.append(_timed(floor))
-    return {
+    fns = {"step": _step_fn(moe, x, grad_y)}
+    if args.compile:
+        fns["compiled"] = _step_fn(_compiled(moe, args), x, grad_y)
+    measured = _measure(_timed_cpu, args, {**fns, "floor": floor})
+    wall = _medians(measured["times"], 0)
+    result = {
         "path": path,
         "counts": counts_e.tolist(),
-        "step_ms": 1e3 * statistics.median(steps),
-        "floor_ms": 1e3 * statistics.median(floors),
-        "ratio": statistics.median(s / f for s, f in zip(steps, floors)),
+        "step_ms": wall["step_ms"],
+        "floor_ms": wall["floor_ms"],
+        "ratio": wall["step/floor"],
     }
+    if args.compile:
+        result |= _compile_result(measured) | {
+            "compiled_ms": wall["compiled_ms"],
+            "compiled_ratio": wall["compiled/step"],
+            "compiled_floor_ratio": wall["compiled/floor"],
+        }
+    return result
 
 
 @dataclass(frozen=True)
@@ -248,10 +352,7 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
     grad_RD = torch.randn_like(routed_RD)
     import dtensor_moe.parallel.dispatch as dispatch_module
 
-    def step() -> None:
-        y = moe(x)
-        (y.to_local() if hasattr(y, "to_local") else y).backward(grad_y)
-
+    step = _step_fn(moe, x, grad_y)
     recorder = _RecordedExchanges()
     dispatch_module.dist = recorder
     try:
@@ -275,45 +376,54 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
         for t in (x, routed_RD, w1, w2, w3, *moe.parameters()):
             t.grad = None  # as after optimizer.zero_grad(): no accumulation in either
         dist.barrier()
-        cpu = time.process_time()
-        wall = _timed(fn)
-        cpu = torch.tensor([time.process_time() - cpu])
-        wall = torch.tensor([wall])
+        wall, cpu = _timed_cpu(fn)
+        wall, cpu = torch.tensor([wall]), torch.tensor([cpu])
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         dist.all_reduce(cpu)
         return float(wall), float(cpu) / layout.world
 
-    for _ in range(args.warmup):
-        synced(step), synced(floor), synced(exchanges)
-    steps, floors, alone = [], [], []
-    for _ in range(args.repeats):
-        steps.append(synced(step))
-        floors.append(synced(floor))
-        alone.append(synced(exchanges))
+    fns = {"step": step}
+    if args.compile:
+        fns["compiled"] = _step_fn(_compiled(moe, args), x, grad_y)
+    measured = _measure(synced, args, {**fns, "floor": floor, "exchanges": exchanges})
+    dynamo = torch.tensor(measured["dynamo"])
+    dist.all_reduce(dynamo, op=dist.ReduceOp.MAX)  # the most any rank saw
+    measured["dynamo"] = dynamo.tolist()
     rows = torch.tensor([routed_RD.shape[0]])
     all_rows = [torch.zeros_like(rows) for _ in range(layout.world)]
     dist.all_gather(all_rows, rows)
     if rank == 0:
-        queue.put(
-            {
-                "path": path,
-                "counts": [int(r) for r in all_rows],
-                "step_ms": 1e3 * statistics.median(s for s, _ in steps),
-                "floor_ms": 1e3 * statistics.median(f for f, _ in floors),
-                "ratio": statistics.median(s / f for (s, _), (f, _) in zip(steps, floors)),
-                "cpu_step_ms": 1e3 * statistics.median(c for _, c in steps),
-                "cpu_floor_ms": 1e3 * statistics.median(c for _, c in floors),
-                "cpu_ratio": statistics.median(s / f for (_, s), (_, f) in zip(steps, floors)),
-                "exchanges": len(recorder.calls),
-                "exchanges_ms": 1e3 * statistics.median(w for w, _ in alone),
-                "cpu_exchanges_ms": 1e3 * statistics.median(c for _, c in alone),
-                "cpu_exchanges_share": statistics.median(
-                    e / f for (_, e), (_, f) in zip(alone, floors)
-                ),
-            }
-        )
+        queue.put(_parallel_result(args, measured, path, [int(r) for r in all_rows], recorder))
     dist.barrier()  # every rank tears its gloo connections down together
     dist.destroy_process_group()
+
+
+def _parallel_result(args, measured, path, rows, recorder) -> dict[str, object]:
+    """The figures ``main`` prints, from rank 0's (already rank-reduced) measurements."""
+    wall, cpu = _medians(measured["times"], 0), _medians(measured["times"], 1)
+    result = {
+        "path": path,
+        "counts": rows,
+        "step_ms": wall["step_ms"],
+        "floor_ms": wall["floor_ms"],
+        "ratio": wall["step/floor"],
+        "cpu_step_ms": cpu["step_ms"],
+        "cpu_floor_ms": cpu["floor_ms"],
+        "cpu_ratio": cpu["step/floor"],
+        "exchanges": len(recorder.calls),
+        "exchanges_ms": wall["exchanges_ms"],
+        "cpu_exchanges_ms": cpu["exchanges_ms"],
+        "cpu_exchanges_share": cpu["exchanges/floor"],
+    }
+    if args.compile:
+        result |= _compile_result(measured) | {
+            "compiled_ms": wall["compiled_ms"],
+            "compiled_ratio": wall["compiled/step"],
+            "compiled_floor_ratio": wall["compiled/floor"],
+            "cpu_compiled_ms": cpu["compiled_ms"],
+            "cpu_compiled_ratio": cpu["compiled/step"],
+        }
+    return result
 
 
 def run_parallel(args: argparse.Namespace) -> dict[str, object]:
@@ -370,7 +480,35 @@ def _parse() -> argparse.Namespace:
         "all-to-alls become local copies (outputs are wrong; the work is that of a symmetric "
         "exchange), to show what the exchanges themselves cost",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also step torch.compile(moe) in every repeat, next to the eager step",
+    )
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
+    p.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+        help="torch.compile mode (inductor only)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        choices=["fresh", "default"],
+        default="fresh",
+        help="fresh: compile into an empty inductor cache directory (a first run's compile "
+        "time); default: torch's cache directory, warm from earlier runs",
+    )
+    p.add_argument(
+        "--nested-graph-breaks",
+        action="store_true",
+        help="torch._dynamo.config.nested_graph_breaks = True for the compiled layer",
+    )
     args = p.parse_args()
+    if args.nested_graph_breaks and not args.compile:
+        p.error("--nested-graph-breaks needs --compile")
+    if args.compile_mode != "default" and args.compile_backend != "inductor":
+        p.error("--compile-mode needs --compile-backend inductor")
     if args.free_exchanges and args.layout not in PARALLEL:
         p.error("--free-exchanges needs a parallel --layout")
     return args
@@ -379,7 +517,12 @@ def _parse() -> argparse.Namespace:
 def main() -> None:
     args = _parse()
     torch.set_num_threads(args.threads)
-    result = LAYOUTS[args.layout](args)
+    with contextlib.ExitStack() as stack:
+        if args.compile and args.compile_cache == "fresh":
+            # Read when inductor first needs it, here and in the spawned ranks (inherited).
+            cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="moe_bench_inductor_"))
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        result = LAYOUTS[args.layout](args)
     print(
         f"layout={args.layout} tokens={args.tokens} dim={args.dim} hidden={args.hidden} "
         f"experts={args.experts} top_k={args.top_k} shared={args.shared} dtype={args.dtype} "
@@ -406,6 +549,33 @@ def main() -> None:
             )
         else:
             print("no one-node expert-parallel exchange in this layout: nothing replayed")
+    if args.compile:
+        _print_compiled(args, result)
+
+
+def _print_compiled(args: argparse.Namespace, result: dict[str, object]) -> None:
+    where = " (slowest rank)" if args.layout in PARALLEL else ""
+    print(
+        f"torch.compile(moe): backend={args.compile_backend} mode={args.compile_mode} "
+        f"cache={args.compile_cache}"
+        + (" nested_graph_breaks" if args.nested_graph_breaks else "")
+    )
+    print(f"eager step    (fwd+bwd, median){where}: {result['step_ms']:8.2f} ms")
+    print(f"compiled step (fwd+bwd, median){where}: {result['compiled_ms']:8.2f} ms")
+    print(f"compiled / eager (median of per-repeat ratios): {result['compiled_ratio']:.3f}")
+    print(f"compiled / floor (median of per-repeat ratios): {result['compiled_floor_ratio']:.3f}")
+    if "cpu_compiled_ratio" in result:
+        print(
+            f"process CPU per rank (median): eager {result['cpu_step_ms']:.2f} ms, compiled "
+            f"{result['cpu_compiled_ms']:.2f} ms, compiled / eager "
+            f"{result['cpu_compiled_ratio']:.3f}"
+        )
+    print(f"first compiled step (compile + run){where}: {result['compile_s']:.2f} s")
+    print(
+        f"dynamo{' (most on any rank)' if where else ''}: {result['graphs']} graphs, "
+        f"{result['graph_breaks']} graph breaks, recompiles during the timed repeats: "
+        f"{result['recompiles']}"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -52,3 +53,31 @@ def test_moe_layer_benchmark_free_exchanges_diagnostic_runs_and_is_labelled():
     )
     assert "free_exchanges (diagnostic: outputs are wrong)" in out, out
     assert "step / floor" in out, out
+
+
+def test_moe_layer_benchmark_compile_adds_a_compiled_column_without_recompiles():
+    # aot_eager keeps this quick (inductor's C++ compile takes 15-30 s here); the figures in
+    # docs/benchmarks.md use inductor, the default.
+    out = _run(
+        "benchmarks/moe_layer.py", "--layout", "ep2", "--compile", "--compile-backend",
+        "aot_eager", "--tokens", "64", "--dim", "32", "--hidden", "64", "--warmup", "1",
+        "--repeats", "2",
+    )
+    assert "torch.compile(moe): backend=aot_eager mode=default cache=fresh" in out, out
+    for pattern in (
+        r"eager step    \(fwd\+bwd, median\) \(slowest rank\): +\d+\.\d\d ms",
+        r"compiled step \(fwd\+bwd, median\) \(slowest rank\): +\d+\.\d\d ms",
+        r"compiled / eager \(median of per-repeat ratios\): \d+\.\d{3}",
+        r"process CPU per rank \(median\): eager [\d.]+ ms, compiled [\d.]+ ms, compiled / "
+        r"eager \d+\.\d{3}",
+        r"first compiled step \(compile \+ run\) \(slowest rank\): \d+\.\d\d s",
+    ):
+        assert re.search(pattern, out), (pattern, out)
+    dynamo = re.search(
+        r"dynamo \(most on any rank\): (\d+) graphs, (\d+) graph breaks, recompiles during "
+        r"the timed repeats: (\d+)",
+        out,
+    )
+    assert dynamo, out
+    # The experts' exchange is a deliberate break (docs/parallelism.md); the guards must hold.
+    assert int(dynamo[1]) >= 1 and int(dynamo[2]) >= 1 and dynamo[3] == "0", out

@@ -52,6 +52,10 @@ class MoEConfig:
             ``shared_expert_gate``); needs ``num_shared_experts > 0``.
         compute_path: ``"auto"``, ``"grouped_mm"``, ``"loop"`` or ``"bmm"``.
         pad_multiple: pad each expert's token group to a multiple of this (``1``: no padding).
+        recompute_experts: keep only the routed experts' input for backward and recompute their
+            hidden pre-activations there (two more grouped matmuls per backward, the least
+            activation memory); ``False`` keeps the two pre-activations. Results are identical
+            either way. See Note [What the experts save for backward] in ``experts.py``.
         init_std: standard deviation of the normal initialisation of all weights.
     """
 
@@ -73,6 +77,7 @@ class MoEConfig:
     shared_expert_gate: bool = False
     compute_path: ComputePath = "auto"
     pad_multiple: int = 1
+    recompute_experts: bool = False
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -109,6 +114,10 @@ class MoEConfig:
             raise ValueError(
                 "MoEConfig.shared_expert_gate=True needs shared experts; set "
                 "num_shared_experts >= 1 or leave shared_expert_gate False"
+            )
+        if not isinstance(self.recompute_experts, bool):
+            raise TypeError(
+                f"MoEConfig.recompute_experts must be a bool, got {self.recompute_experts!r}"
             )
         if self.init_std <= 0:
             raise ValueError(f"MoEConfig.init_std must be positive, got {self.init_std}")

@@ -2,8 +2,8 @@
 
 Note [What the experts save for backward] in ``dtensor_moe/moe/experts.py``. Parity is checked
 against an independent plain-autograd reference (every (token, expert) pair computed with its
-own gathered weights, no dispatcher) and, where the math is unchanged, bit for bit against the
-plain dispatch -> compute -> combine path of the same layer. Saved bytes are counted as
+own gathered weights, no dispatcher) and bit for bit (output and every gradient) against the
+plain dispatch -> compute -> combine path of the same layer (``fused_routed_step=False``). Saved bytes are counted as
 ``benchmarks/moe_memory.py`` counts them (storages, parameters included) and compared with a
 formula in ``T, K, D, H``: bytes are deterministic, so this is no timing test.
 """
@@ -13,6 +13,7 @@ formula in ``T, K, D, H``: bytes are deterministic, so this is no timing test.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -69,15 +70,26 @@ def run(moe: MoE, x: torch.Tensor, grad: torch.Tensor, fn=None) -> dict[str, tor
 
 
 def plain_path(moe: MoE) -> MoE:
-    """A copy of ``moe`` whose experts take the plain dispatch -> compute -> combine path."""
-    plain = copy.deepcopy(moe)
-    plain.experts.routed_step = lambda *args: None
+    """A copy of ``moe`` built with ``fused_routed_step=False``: the plain dispatch -> compute
+    -> combine path, by the public switch."""
+    cfg = dataclasses.replace(moe.config, fused_routed_step=False)
+    plain = MoE(cfg).to(next(moe.parameters()).dtype)
+    plain.load_state_dict(moe.state_dict())
     return plain
 
 
 def close(actual, expected, tol, what):
     atol = tol * float(expected.abs().max())
     torch.testing.assert_close(actual, expected, rtol=tol, atol=atol, msg=lambda m: f"{what}\n{m}")
+
+
+def _counting(routed_step, calls):
+    def wrapped(*args):
+        y = routed_step(*args)
+        calls.append(y is not None)
+        return y
+
+    return wrapped
 
 
 CASES = list(itertools.product(
@@ -95,10 +107,15 @@ def test_lean_path_matches_plain_autograd(ekh, dtype, recompute):
                         recompute_experts=recompute)).to(dtype)
     x = torch.randn(2, 37, 32, dtype=dtype)
     grad = torch.randn(2, 37, 32, dtype=dtype)
+    calls = []
+    moe.experts.routed_step = _counting(moe.experts.routed_step, calls)
     got = run(moe, x, grad)
-    # Unchanged math: the output and w2's gradient are the same bits as the plain path's.
+    assert calls == [True], "the fused node must have run"
+    # The fused node against fused_routed_step=False: the same bits, output and every gradient
+    # (input, router gate, w1/w2/w3).
     plain = run(plain_path(moe), x, grad)
-    for name in ("y", "experts.w2.grad"):
+    assert set(got) == set(plain) and "router.gate.weight.grad" in got, sorted(got)
+    for name in plain:
         assert torch.equal(got[name], plain[name]), name
     # Everything against the independent reference: at 1e-6 in float32; in bf16, against the
     # float32 reference on the same bf16 values, no further than the plain path is.
@@ -154,10 +171,13 @@ def test_sum_backward_and_no_input_grad():
     moe = MoE(MoEConfig(dim=32, hidden_dim=64, num_experts=8, top_k=2, init_std=0.3))
     x = torch.randn(2, 37, 32)
     ref = copy.deepcopy(moe)
+    plain = plain_path(moe)
     moe(x).sum().backward()
     reference(ref, x).sum().backward()
-    for (name, p), q in zip(moe.named_parameters(), ref.parameters()):
+    plain(x).sum().backward()
+    for (name, p), q, r in zip(moe.named_parameters(), ref.parameters(), plain.parameters()):
         close(p.grad, q.grad, 1e-6, name)
+        assert torch.equal(p.grad, r.grad), name
 
 
 def saved_bound(T: int, K: int, D: int, H: int, E: int, dtype_bytes: int, recompute: bool):
@@ -196,6 +216,17 @@ def test_saved_bytes_within_formula(E, K, H, recompute, dtype):
 def test_recompute_experts_is_validated():
     with pytest.raises(TypeError, match="MoEConfig.recompute_experts must be a bool, got 1"):
         MoEConfig(dim=8, hidden_dim=8, num_experts=2, top_k=1, recompute_experts=1)
+
+
+def test_fused_routed_step_is_validated_and_switches_off():
+    with pytest.raises(TypeError, match="MoEConfig.fused_routed_step must be a bool, got 0"):
+        MoEConfig(dim=8, hidden_dim=8, num_experts=2, top_k=1, fused_routed_step=0)
+    moe = MoE(MoEConfig(dim=32, hidden_dim=64, num_experts=4, top_k=2, fused_routed_step=False))
+    assert not moe.experts.fused_routed_step
+    calls = []
+    moe.experts.routed_step = _counting(moe.experts.routed_step, calls)
+    moe(torch.randn(1, 8, 32)).sum().backward()
+    assert calls == [False]
 
 
 class ExpertParallelMemoryTest(DistTestBase):

@@ -33,8 +33,8 @@ mesh dim where the weight is ``Replicate``, the ranks route different tokens, so
 gradient is a partial sum over that dim: ``Partial``. A ``Partial`` weight is an error.
 
 Note [What the experts save for backward]: on the default single-process path (local
-dispatcher, no padding, scores in combine, ``grouped_mm``), :meth:`GroupedExperts.routed_step`
-runs the token gather, the SwiGLU and the combine as one autograd node, :class:`_RoutedSwiGLU`.
+dispatcher, no padding, scores in combine, ``grouped_mm``, ``fused_routed_step``),
+:meth:`GroupedExperts.routed_step` runs the token gather, the SwiGLU and the combine as one autograd node, :class:`_RoutedSwiGLU`.
 Plain autograd over those steps saves the gathered rows (``R x D``), both pre-activations,
 ``silu(h1)`` and the product (``R x H`` each), and the expert outputs for the score gradient
 (``T x K x D``). The node saves only what backward cannot cheaply rebuild:
@@ -44,17 +44,19 @@ Plain autograd over those steps saves the gathered rows (``R x D``), both pre-ac
 * the pre-activations ``h1 = x @ w1.T`` and ``h3 = x @ w3.T`` (``R x H`` each): backward
   recomputes ``silu(h1) * h3`` (elementwise). With ``recompute_experts=True`` not even those:
   backward recomputes them from the gathered rows, two more ``grouped_mm`` calls per backward
-  (forward + backward then runs 11 instead of 9 expert matmuls), for the least memory;
-* no expert outputs. The score gradient of row ``r`` (token ``t``) is ``<g_t, out_r>``, and
-  ``out_r = h_r @ w2.T``, so it equals ``<g_t @ w2, h_r>``: backward multiplies the *unscaled*
-  row gradients by ``w2`` (the matmul it needs anyway), takes the row dot products with ``h``
-  for the scores, and only then scales by the score. No matmul is added.
+  (forward + backward then runs 12 expert matmuls, the plain path 9, the node otherwise 10),
+  for the least memory;
+* no expert outputs. Backward recomputes ``out = h @ w2.T`` with the forward's own
+  ``grouped_mm`` call (one more grouped matmul per backward) for the score gradient.
 
-The forward runs the same ops as the plain path, so the output and ``w2``'s gradient are the
-same bits; the score moves after the ``w2`` matmul in backward, so the input, ``w1``/``w3`` and
-router gradients agree with plain autograd to float rounding (``tests/test_moe_memory.py``: 1e-6
-in float32, against an independent autograd reference; and bit for bit between
-``recompute_experts`` on and off). The other paths (``loop``/``bmm``, padding,
+Backward otherwise runs the plain path's autograd backward op for op: the combine's backward
+(``g * s`` for ``K == 1``, the ``bmm`` with the scores for ``K > 1``; the score gradient as
+its reduction of ``g_t`` against ``out``), the unpermute as a gather, then ``grouped_mm``'s
+backward formulas, ``silu_backward``, and the permute's backward (the ``K`` row gradients
+added in ``k`` order). So the output and every gradient are the same bits as the plain path's
+(``tests/test_moe_memory.py``: ``torch.equal`` against ``fused_routed_step=False`` in float32
+and bf16, with and without ``recompute_experts``). ``MoEConfig.fused_routed_step=False``
+always takes the plain path. The other paths (``loop``/``bmm``, padding,
 ``score_before_experts``, the plain expert-parallel path) keep plain autograd; there
 ``recompute_experts`` checkpoints :meth:`GroupedExperts.compute` (its input is all it keeps).
 Under ``torch.compile`` the layer takes the plain path and the compiler's partitioner decides
@@ -304,17 +306,32 @@ class _RoutedSwiGLU(torch.autograd.Function):
             h3_RH = torch._grouped_mm(x_RD, w3_eHD.transpose(-2, -1), offs=offs_e)
         act_RH = F.silu(h1_RH)
         h_RH = act_RH * h3_RH
-        g_RD = grad_TD.index_select(0, token_N)  # unscaled: row r's token gradient
-        s_R1 = scores_TK.to(x_TD.dtype).reshape(-1).index_select(0, order_N).unsqueeze(-1)
         need = ctx.needs_input_grad
-        grad_w2 = torch._grouped_mm((g_RD * s_R1).t(), h_RH, offs=offs_e) if need[3] else None
-        grad_h_RH = torch._grouped_mm(g_RD, w2_eDH, offs=offs_e)  # scaled below
+        # The plain combine's backward, op for op (Note [What the experts save for backward]).
+        s_TK = scores_TK.to(x_TD.dtype)
+        if K == 1:
+            grad_ND = grad_TD * s_TK
+        else:
+            grad_ND = torch.bmm(s_TK.unsqueeze(1).transpose(1, 2), grad_TD.unsqueeze(1))
+            grad_ND = grad_ND.view(T * K, -1)
+        grad_RD = grad_ND.index_select(0, order_N).contiguous()
+        del grad_ND
         grad_scores_TK = None
         if need[1]:
-            dots_R = torch.linalg.vecdot(grad_h_RH, h_RH)
-            grad_scores_TK = dots_R.index_select(0, row_TK.reshape(-1)).view(T, K)
+            # out_RD again, by the forward's own call: the plain path's saved expert outputs.
+            out_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
+            out_TKD = out_RD.index_select(0, row_TK.reshape(-1)).view(T, K, -1)
+            del out_RD
+            if K == 1:
+                grad_scores_TK = (grad_TD * out_TKD[:, 0]).sum(1, keepdim=True)
+            else:
+                grad_scores_TK = torch.bmm(grad_TD.unsqueeze(1), out_TKD.transpose(1, 2))
+                grad_scores_TK = grad_scores_TK.squeeze(1)
+            del out_TKD
             grad_scores_TK = grad_scores_TK.to(scores_TK.dtype)
-        grad_h_RH.mul_(s_R1)
+        grad_w2 = torch._grouped_mm(grad_RD.t(), h_RH, offs=offs_e) if need[3] else None
+        grad_h_RH = torch._grouped_mm(grad_RD, w2_eDH, offs=offs_e)
+        del grad_RD
         grad_h1_RH = torch.ops.aten.silu_backward(grad_h_RH * h3_RH, h1_RH)
         grad_h3_RH = grad_h_RH.mul_(act_RH)
         grad_w1 = torch._grouped_mm(grad_h1_RH.t(), x_RD, offs=offs_e) if need[2] else None
@@ -433,6 +450,9 @@ class GroupedExperts(nn.Module):
         compute_path: see :func:`grouped_swiglu`.
         recompute_experts: keep only the experts' input for backward and recompute the rest
             there (Note [What the experts save for backward]).
+        fused_routed_step: let the local dispatcher run gather, experts and combine as one
+            autograd node (:meth:`routed_step`); ``False`` always takes the plain path. Both
+            give the same bits.
         dispatcher: a :class:`TokenDispatcher` (default: local, no padding, scores in combine).
             Parallel styles replace it with a communicating subclass.
         init_std: std of the normal weight initialisation.
@@ -451,12 +471,16 @@ class GroupedExperts(nn.Module):
         dispatcher: TokenDispatcher | None = None,
         init_std: float = 0.02,
         recompute_experts: bool = False,
+        fused_routed_step: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(recompute_experts, bool):
             raise TypeError(f"recompute_experts must be a bool, got {recompute_experts!r}")
+        if not isinstance(fused_routed_step, bool):
+            raise TypeError(f"fused_routed_step must be a bool, got {fused_routed_step!r}")
         self.compute_path = compute_path
         self.recompute_experts = recompute_experts
+        self.fused_routed_step = fused_routed_step
         self.init_std = init_std
         self.dispatcher = (
             dispatcher if dispatcher is not None else TokenDispatcher(num_experts=num_experts)
@@ -508,7 +532,11 @@ class GroupedExperts(nn.Module):
         ``None`` when the compute path is not ``grouped_mm`` (or while compiling): the caller
         then runs dispatch, :meth:`compute` and combine. No collective.
         """
-        if layout.row_N is not None or torch.compiler.is_compiling():
+        if (
+            not self.fused_routed_step
+            or layout.row_N is not None
+            or torch.compiler.is_compiling()
+        ):
             return None
         w1, w2, w3 = self.local_weights()
         if w1.shape[0] != len(layout.counts_e) or x_TD.dtype != w1.dtype:
@@ -540,7 +568,8 @@ class GroupedExperts(nn.Module):
         E, H, D = self.w1.shape
         return (
             f"num_experts={E}, dim={D}, hidden_dim={H}, compute_path={self.compute_path!r}, "
-            f"recompute_experts={self.recompute_experts}, dispatcher={self.dispatcher!r}"
+            f"recompute_experts={self.recompute_experts}, "
+            f"fused_routed_step={self.fused_routed_step}, dispatcher={self.dispatcher!r}"
         )
 
 

@@ -92,6 +92,7 @@ class MoE(nn.Module):
             dispatcher=dispatcher,
             init_std=config.init_std,
             recompute_experts=config.recompute_experts,
+            fused_routed_step=config.fused_routed_step,
         )
         self.shared_experts = None
         if config.num_shared_experts > 0:

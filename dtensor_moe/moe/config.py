@@ -60,6 +60,14 @@ class MoEConfig:
             ``shared_expert_gate``); needs ``num_shared_experts > 0``.
         compute_path: ``"auto"``, ``"grouped_mm"``, ``"loop"`` or ``"bmm"``.
         pad_multiple: pad each expert's token group to a multiple of this (``1``: no padding).
+        recompute_experts: keep only the routed experts' input for backward and recompute their
+            hidden pre-activations there (two more grouped matmuls per backward, the least
+            activation memory); ``False`` keeps the two pre-activations. Results are identical
+            either way. See Note [What the experts save for backward] in ``experts.py``.
+        fused_routed_step: on the single-process ``grouped_mm`` path (no padding, scores in
+            combine), run token gather, experts and combine as one autograd node that saves less
+            for backward (``True``), or always the plain path (``False``). Outputs and gradients
+            are the same bits either way.
         init_std: standard deviation of the normal initialisation of all weights.
     """
 
@@ -83,6 +91,8 @@ class MoEConfig:
     shared_expert_gate: bool = False
     compute_path: ComputePath = "auto"
     pad_multiple: int = 1
+    recompute_experts: bool = False
+    fused_routed_step: bool = True
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -119,6 +129,14 @@ class MoEConfig:
             raise ValueError(
                 "MoEConfig.shared_expert_gate=True needs shared experts; set "
                 "num_shared_experts >= 1 or leave shared_expert_gate False"
+            )
+        if not isinstance(self.recompute_experts, bool):
+            raise TypeError(
+                f"MoEConfig.recompute_experts must be a bool, got {self.recompute_experts!r}"
+            )
+        if not isinstance(self.fused_routed_step, bool):
+            raise TypeError(
+                f"MoEConfig.fused_routed_step must be a bool, got {self.fused_routed_step!r}"
             )
         if self.init_std <= 0:
             raise ValueError(f"MoEConfig.init_std must be positive, got {self.init_std}")

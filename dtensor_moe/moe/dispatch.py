@@ -263,6 +263,12 @@ class TokenDispatcher:
         """
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         layout = sort_by_expert(topk_ids_TK, counts_E, pad_multiple=self.pad_multiple)
+        return self._dispatch_rows(x_TD, topk_scores_TK, layout)
+
+    def _dispatch_rows(
+        self, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, layout: ExpertLayout
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchMetadata]:
+        """Steps (2) and (3) of Note [Dispatcher steps] on a computed ``layout``."""
         routed_RD = permute_tokens(x_TD, layout)
         scores_TK = topk_scores_TK
         if self.score_before_experts:
@@ -291,8 +297,30 @@ class TokenDispatcher:
         A communicating subclass may override it to overlap its exchange with the expert math
         on rows that need no exchange; ``experts`` offers ``compute(routed_RD, counts_e)``,
         ``local_weights()`` and ``compute_path``.
+
+        The local dispatcher (this class's own ``dispatch`` and ``combine``, no padding, scores
+        in combine) hands the three steps to ``experts.routed_step`` when the experts offer
+        it: one autograd node that saves less for backward (Note [What the experts save for
+        backward] in ``experts.py``); it returns ``None`` where it does not apply.
         """
-        routed_RD, counts_e, metadata = self.dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        routed_step = getattr(experts, "routed_step", None)
+        if (
+            routed_step is not None
+            and type(self).dispatch is TokenDispatcher.dispatch
+            and type(self).combine is TokenDispatcher.combine
+            and self.pad_multiple == 1
+            and not self.score_before_experts
+        ):
+            self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+            layout = sort_by_expert(topk_ids_TK, counts_E)
+            y_TD = routed_step(x_TD, topk_scores_TK, layout)
+            if y_TD is not None:
+                return y_TD
+            routed_RD, counts_e, metadata = self._dispatch_rows(x_TD, topk_scores_TK, layout)
+        else:
+            routed_RD, counts_e, metadata = self.dispatch(
+                x_TD, topk_scores_TK, topk_ids_TK, counts_E
+            )
         return self.combine(experts.compute(routed_RD, counts_e), metadata)
 
     def _check_inputs(

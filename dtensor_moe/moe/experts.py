@@ -31,6 +31,38 @@ every routed row that uses the shard reaches it (through the dispatcher's exchan
 the tokens are the same on every rank of that dim); so the gradient keeps the placement. On a
 mesh dim where the weight is ``Replicate``, the ranks route different tokens, so the local
 gradient is a partial sum over that dim: ``Partial``. A ``Partial`` weight is an error.
+
+Note [What the experts save for backward]: on the default single-process path (local
+dispatcher, no padding, scores in combine, ``grouped_mm``, ``fused_routed_step``),
+:meth:`GroupedExperts.routed_step` runs the token gather, the SwiGLU and the combine as one autograd node, :class:`_RoutedSwiGLU`.
+Plain autograd over those steps saves the gathered rows (``R x D``), both pre-activations,
+``silu(h1)`` and the product (``R x H`` each), and the expert outputs for the score gradient
+(``T x K x D``). The node saves only what backward cannot cheaply rebuild:
+
+* the gather's source ``x_TD`` (the router keeps it anyway) and the routing indices: backward
+  gathers the rows again (one ``index_select``);
+* the pre-activations ``h1 = x @ w1.T`` and ``h3 = x @ w3.T`` (``R x H`` each): backward
+  recomputes ``silu(h1) * h3`` (elementwise). With ``recompute_experts=True`` not even those:
+  backward recomputes them from the gathered rows, two more ``grouped_mm`` calls per backward
+  (forward + backward then runs 12 expert matmuls, the plain path 9, the node otherwise 10),
+  for the least memory;
+* no expert outputs. Backward recomputes ``out = h @ w2.T`` with the forward's own
+  ``grouped_mm`` call (one more grouped matmul per backward) for the score gradient.
+
+Backward otherwise runs the plain path's autograd backward op for op: the combine's backward
+(``g * s`` for ``K == 1``, the ``bmm`` with the scores for ``K > 1``; the score gradient as
+its reduction of ``g_t`` against ``out``), the unpermute as a gather, then ``grouped_mm``'s
+backward formulas, ``silu_backward``, and the permute's backward (the ``K`` row gradients
+added in ``k`` order). So the output and every gradient are the same bits as the plain path's
+(``tests/test_moe_memory.py``: ``torch.equal`` against ``fused_routed_step=False`` in float32
+and bf16, with and without ``recompute_experts``). ``MoEConfig.fused_routed_step=False``
+always takes the plain path. The other paths (``loop``/``bmm``, padding,
+``score_before_experts``, the plain expert-parallel path) keep plain autograd; there
+``recompute_experts`` checkpoints :meth:`GroupedExperts.compute` (its input is all it keeps).
+Under ``torch.compile`` the layer takes the plain path and the compiler's partitioner decides
+what to save. The expert-parallel one-node step saves the same way (Note [Overlapped
+all-to-all] in ``dtensor_moe/parallel/dispatch.py``). ``benchmarks/moe_memory.py`` counts the
+bytes.
 """
 
 # ruff: noqa: N803, N806, N812
@@ -42,12 +74,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.config import ComputePath
-from dtensor_moe.moe.dispatch import TokenDispatcher
+from dtensor_moe.moe.dispatch import ExpertLayout, TokenDispatcher
 
 __all__ = [
     "GroupedExperts",
@@ -220,6 +253,100 @@ def _swiglu_bmm(
     return torch.bmm(F.silu(gate_ecH) * up_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
 
 
+class _RoutedSwiGLU(torch.autograd.Function):
+    """Token gather, grouped SwiGLU and combine as one node; Note [What the experts save for
+    backward]. ``forward(x_TD, scores_TK, w1, w2, w3, token_N, order_N, row_TK, offs_e,
+    recompute)`` returns ``y_TD``; no padding (``R == N``)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_TD: torch.Tensor,
+        scores_TK: torch.Tensor,
+        w1_eHD: torch.Tensor,
+        w2_eDH: torch.Tensor,
+        w3_eHD: torch.Tensor,
+        token_N: torch.Tensor,
+        order_N: torch.Tensor,
+        row_TK: torch.Tensor,
+        offs_e: torch.Tensor,
+        recompute: bool,
+    ) -> torch.Tensor:
+        T, K = row_TK.shape
+        D = x_TD.shape[-1]
+        x_RD = x_TD.index_select(0, token_N)
+        h1_RH = torch._grouped_mm(x_RD, w1_eHD.transpose(-2, -1), offs=offs_e)
+        h3_RH = torch._grouped_mm(x_RD, w3_eHD.transpose(-2, -1), offs=offs_e)
+        out_RD = torch._grouped_mm(F.silu(h1_RH) * h3_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
+        out_TKD = out_RD.index_select(0, row_TK.reshape(-1)).view(T, K, D)
+        s_TK = scores_TK.to(x_TD.dtype)
+        if K == 1:
+            y_TD = out_TKD[:, 0] * s_TK
+        else:
+            y_TD = x_TD.new_empty(T, D)
+            torch.bmm(s_TK.unsqueeze(1), out_TKD, out=y_TD.view(T, 1, D))
+        hidden = () if recompute else (h1_RH, h3_RH)
+        ctx.save_for_backward(
+            x_TD, scores_TK, w1_eHD, w2_eDH, w3_eHD, token_N, order_N, row_TK, offs_e, *hidden
+        )
+        return y_TD
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_TD, scores_TK, w1_eHD, w2_eDH, w3_eHD, token_N, order_N, row_TK, offs_e, *hidden = (
+            ctx.saved_tensors
+        )
+        T, K = row_TK.shape
+        x_RD = x_TD.index_select(0, token_N)
+        if hidden:
+            h1_RH, h3_RH = hidden
+        else:
+            h1_RH = torch._grouped_mm(x_RD, w1_eHD.transpose(-2, -1), offs=offs_e)
+            h3_RH = torch._grouped_mm(x_RD, w3_eHD.transpose(-2, -1), offs=offs_e)
+        act_RH = F.silu(h1_RH)
+        h_RH = act_RH * h3_RH
+        need = ctx.needs_input_grad
+        # The plain combine's backward, op for op (Note [What the experts save for backward]).
+        s_TK = scores_TK.to(x_TD.dtype)
+        if K == 1:
+            grad_ND = grad_TD * s_TK
+        else:
+            grad_ND = torch.bmm(s_TK.unsqueeze(1).transpose(1, 2), grad_TD.unsqueeze(1))
+            grad_ND = grad_ND.view(T * K, -1)
+        grad_RD = grad_ND.index_select(0, order_N).contiguous()
+        del grad_ND
+        grad_scores_TK = None
+        if need[1]:
+            # out_RD again, by the forward's own call: the plain path's saved expert outputs.
+            out_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
+            out_TKD = out_RD.index_select(0, row_TK.reshape(-1)).view(T, K, -1)
+            del out_RD
+            if K == 1:
+                grad_scores_TK = (grad_TD * out_TKD[:, 0]).sum(1, keepdim=True)
+            else:
+                grad_scores_TK = torch.bmm(grad_TD.unsqueeze(1), out_TKD.transpose(1, 2))
+                grad_scores_TK = grad_scores_TK.squeeze(1)
+            del out_TKD
+            grad_scores_TK = grad_scores_TK.to(scores_TK.dtype)
+        grad_w2 = torch._grouped_mm(grad_RD.t(), h_RH, offs=offs_e) if need[3] else None
+        grad_h_RH = torch._grouped_mm(grad_RD, w2_eDH, offs=offs_e)
+        del grad_RD
+        grad_h1_RH = torch.ops.aten.silu_backward(grad_h_RH * h3_RH, h1_RH)
+        grad_h3_RH = grad_h_RH.mul_(act_RH)
+        grad_w1 = torch._grouped_mm(grad_h1_RH.t(), x_RD, offs=offs_e) if need[2] else None
+        grad_w3 = torch._grouped_mm(grad_h3_RH.t(), x_RD, offs=offs_e) if need[4] else None
+        grad_x_TD = None
+        if need[0]:
+            grad_x_RD = torch._grouped_mm(grad_h1_RH, w1_eHD, offs=offs_e).add_(
+                torch._grouped_mm(grad_h3_RH, w3_eHD, offs=offs_e)
+            )
+            grad_x_TD = grad_x_RD.index_select(0, row_TK[:, 0])
+            for k in range(1, K):
+                grad_x_TD.add_(grad_x_RD.index_select(0, row_TK[:, k]))
+        return grad_x_TD, grad_scores_TK, grad_w1, grad_w2, grad_w3, *(None,) * 5
+
+
 def grouped_swiglu(
     x_RD: torch.Tensor,
     w1_eHD: torch.Tensor,
@@ -321,6 +448,11 @@ class GroupedExperts(nn.Module):
         hidden_dim: ``H`` of each expert.
         num_experts: ``E``.
         compute_path: see :func:`grouped_swiglu`.
+        recompute_experts: keep only the experts' input for backward and recompute the rest
+            there (Note [What the experts save for backward]).
+        fused_routed_step: let the local dispatcher run gather, experts and combine as one
+            autograd node (:meth:`routed_step`); ``False`` always takes the plain path. Both
+            give the same bits.
         dispatcher: a :class:`TokenDispatcher` (default: local, no padding, scores in combine).
             Parallel styles replace it with a communicating subclass.
         init_std: std of the normal weight initialisation.
@@ -338,9 +470,17 @@ class GroupedExperts(nn.Module):
         compute_path: ComputePath = "auto",
         dispatcher: TokenDispatcher | None = None,
         init_std: float = 0.02,
+        recompute_experts: bool = False,
+        fused_routed_step: bool = True,
     ) -> None:
         super().__init__()
+        if not isinstance(recompute_experts, bool):
+            raise TypeError(f"recompute_experts must be a bool, got {recompute_experts!r}")
+        if not isinstance(fused_routed_step, bool):
+            raise TypeError(f"fused_routed_step must be a bool, got {fused_routed_step!r}")
         self.compute_path = compute_path
+        self.recompute_experts = recompute_experts
+        self.fused_routed_step = fused_routed_step
         self.init_std = init_std
         self.dispatcher = (
             dispatcher if dispatcher is not None else TokenDispatcher(num_experts=num_experts)
@@ -367,8 +507,48 @@ class GroupedExperts(nn.Module):
         """Expert math on the routed buffer; see Note [Grouped experts on local weights].
 
         DTensor weights are used through their local shards (Note [Expert weights as DTensors]).
+        With ``recompute_experts``, the call is checkpointed: backward recomputes it from
+        ``routed_RD`` (Note [What the experts save for backward]).
         """
-        return grouped_swiglu(routed_RD, *self.local_weights(), counts_e, self.compute_path)
+        weights = self.local_weights()
+        if (
+            self.recompute_experts
+            and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        ):
+            return torch.utils.checkpoint.checkpoint(
+                grouped_swiglu, routed_RD, *weights, counts_e, self.compute_path,
+                use_reentrant=False,
+            )
+        return grouped_swiglu(routed_RD, *weights, counts_e, self.compute_path)
+
+    def routed_step(
+        self, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, layout: ExpertLayout
+    ) -> torch.Tensor | None:
+        """Gather, experts and combine of a local dispatch as one node, or ``None``.
+
+        ``y_TD[t] = sum_k topk_scores_TK[t, k] * experts(x_TD[t])_k`` for the rows of
+        ``layout`` (no padding), saving what Note [What the experts save for backward] says.
+        ``None`` when the compute path is not ``grouped_mm`` (or while compiling): the caller
+        then runs dispatch, :meth:`compute` and combine. No collective.
+        """
+        if (
+            not self.fused_routed_step
+            or layout.row_N is not None
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        w1, w2, w3 = self.local_weights()
+        if w1.shape[0] != len(layout.counts_e) or x_TD.dtype != w1.dtype:
+            return None  # the plain path raises the error
+        counts = _host_counts(layout.counts_e, self.compute_path)
+        if resolve_compute_path(self.compute_path, x_TD, w1, counts) != "grouped_mm":
+            return None
+        offs_e = torch.cumsum(layout.counts_e.to(x_TD.device), 0, dtype=torch.int32)
+        return _RoutedSwiGLU.apply(
+            x_TD, topk_scores_TK, w1, w2, w3, layout.token_N, layout.order_N, layout.row_TK,
+            offs_e, self.recompute_experts,
+        )
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(w1, w2, w3)`` as plain tensors: the local shards of DTensor weights.
@@ -388,7 +568,8 @@ class GroupedExperts(nn.Module):
         E, H, D = self.w1.shape
         return (
             f"num_experts={E}, dim={D}, hidden_dim={H}, compute_path={self.compute_path!r}, "
-            f"dispatcher={self.dispatcher!r}"
+            f"recompute_experts={self.recompute_experts}, "
+            f"fused_routed_step={self.fused_routed_step}, dispatcher={self.dispatcher!r}"
         )
 
 

@@ -91,6 +91,8 @@ class MoE(nn.Module):
             compute_path=config.compute_path,
             dispatcher=dispatcher,
             init_std=config.init_std,
+            recompute_experts=config.recompute_experts,
+            fused_routed_step=config.fused_routed_step,
         )
         self.shared_experts = None
         if config.num_shared_experts > 0:

@@ -172,22 +172,39 @@ def _swiglu_forward(
     """Grouped SwiGLU on row groups ending at ``offs``; returns the output and what backward needs.
 
     The same ``grouped_mm`` calls as ``grouped_swiglu``. ``gate_RH``: the gate projection, when
-    it was computed earlier (Note [Overlapped all-to-all]). The backward is
-    :func:`_swiglu_input_grad`, :func:`_w2_grad` and :func:`_w13_grads`. ``silu(gate)`` is kept
-    for the backward, as autograd keeps it for ``grouped_swiglu``.
+    it was computed earlier (Note [Overlapped all-to-all]). What backward needs is the two
+    pre-activations ``(gate_RH, up_RH)``; :func:`_swiglu_saved` rebuilds the rest from them
+    (Note [What the experts save for backward] in ``dtensor_moe/moe/experts.py``).
     """
     if gate_RH is None:
         gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
     up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
+    h_RH = torch.nn.functional.silu(gate_RH) * up_RH
+    return _gmm(h_RH, w2_eDH.transpose(-2, -1), offs), (gate_RH, up_RH)
+
+
+def _swiglu_saved(
+    x_RD: torch.Tensor, hidden: tuple[torch.Tensor, ...], weights: tuple, offs: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """``(x_RD, gate_RH, up_RH, silu(gate_RH), h_RH)`` for the backward of
+    :func:`_swiglu_forward`, from its input and the saved pre-activations (recomputed by two
+    ``grouped_mm`` calls when ``hidden`` is empty: ``recompute_experts``); the same bits as
+    the forward's."""
+    if hidden:
+        gate_RH, up_RH = hidden
+    else:
+        w1_eHD, _, w3_eHD = weights
+        gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
+        up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
     act_RH = torch.nn.functional.silu(gate_RH)
-    h_RH = act_RH * up_RH
-    return _gmm(h_RH, w2_eDH.transpose(-2, -1), offs), (x_RD, gate_RH, up_RH, act_RH, h_RH)
+    return x_RD, gate_RH, up_RH, act_RH, act_RH * up_RH
 
 
 def _swiglu_input_grad(
     grad_RD: torch.Tensor, saved: tuple[torch.Tensor, ...], weights: tuple, offs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(grad_x_RD, grad_gate_RH, grad_up_RH)`` of :func:`_swiglu_forward`."""
+    """``(grad_x_RD, grad_gate_RH, grad_up_RH)`` of :func:`_swiglu_forward`; ``saved`` from
+    :func:`_swiglu_saved`."""
     _, gate_RH, up_RH, act_RH, _ = saved
     w1_eHD, w2_eDH, w3_eHD = weights
     grad_h_RH = _gmm(grad_RD, w2_eDH, offs)
@@ -244,11 +261,19 @@ class _Route:
 class _ExpertParallelStep(torch.autograd.Function):
     """Dispatch, experts and combine of one expert-parallel forward as one autograd node.
 
-    ``forward(x_TD, scores_TX, w1, w2, w3, ids_TX, counts_X, group, key_G, e, me)`` returns
-    ``y_TD``; ``backward`` returns the gradients of ``x_TD``, ``scores_TX`` and the three local
-    weights. See Note [Overlapped all-to-all] for the order of the steps; the math is that of
-    ``permute_tokens`` -> ``grouped_swiglu`` -> ``unpermute_and_reduce`` with the exchanges of
-    Note [All-to-all dispatch] in between, with the same ``grouped_mm`` calls.
+    ``forward(x_TD, scores_TX, w1, w2, w3, ids_TX, counts_X, group, key_G, e, me,
+    recompute)`` returns ``y_TD``; ``backward`` returns the gradients of ``x_TD``,
+    ``scores_TX`` and the three local weights. See Note [Overlapped all-to-all] for the order of
+    the steps; the math is that of ``permute_tokens`` -> ``grouped_swiglu`` ->
+    ``unpermute_and_reduce`` with the exchanges of Note [All-to-all dispatch] in between, with
+    the same ``grouped_mm`` calls.
+
+    Saved for backward (Note [What the experts save for backward] in ``experts.py``): the
+    received rows in expert order (their source is on other ranks), but not the own rows (a
+    gather of ``x_TD``, redone in backward); the pre-activations ``gate``/``up`` of both parts
+    (none with ``recompute``: backward recomputes them), not ``silu(gate)`` nor the product;
+    and the ``N x D`` expert outputs, whose dot products with the token gradients give the
+    score gradients on this rank (the received rows' outputs were computed on other ranks).
     """
 
     @staticmethod
@@ -265,6 +290,7 @@ class _ExpertParallelStep(torch.autograd.Function):
         key_G: torch.Tensor,
         e: int,
         me: int,
+        recompute: bool,
     ) -> torch.Tensor:
         T, X = ids_TX.shape
         D, N, dev = x_TD.shape[-1], ids_TX.numel(), x_TD.device
@@ -320,9 +346,10 @@ class _ExpertParallelStep(torch.autograd.Function):
         for x in range(1, X):
             y_TD.addcmul_(out_ND.index_select(0, row_XT[x]), s_TX[:, x : x + 1])
         ctx.route = route
+        hidden = () if recompute else (*own_saved, *recv_saved)
         ctx.save_for_backward(
-            *own_saved, *recv_saved, *weights, out_ND, scores_TX, order_N, token_N, row_N, row_XT,
-            token_M, row_M,
+            x_TD, routed_RD, *weights, out_ND, scores_TX, order_N, token_N, row_N, row_XT,
+            token_M, row_M, *hidden,
         )  # fmt: skip
         return y_TD
 
@@ -334,10 +361,14 @@ class _ExpertParallelStep(torch.autograd.Function):
                 "double backward is not supported); call backward with create_graph=False"
             )
         saved = ctx.saved_tensors
-        own_saved, recv_saved, weights = saved[0:5], saved[5:10], saved[10:13]
-        out_ND, scores_TX, order_N, token_N, row_N, row_XT, token_M, row_M = saved[13:]
+        x_TD, routed_RD, weights = saved[0], saved[1], saved[2:5]
+        out_ND, scores_TX, order_N, token_N, row_N, row_XT, token_M, row_M = saved[5:13]
+        hidden = saved[13:]
         route = ctx.route
         (X, T), D, n_send = row_XT.shape, out_ND.shape[-1], route.n_send
+        own_saved = _swiglu_saved(
+            x_TD.index_select(0, token_N[n_send:]), hidden[:2], weights, route.offs_own
+        )
         # Each sorted row's token gradient: the score's gradient is its dot product with the
         # row's output, and the row's gradient is it times the score.
         grad_ND = grad_TD.index_select(0, token_N)
@@ -358,6 +389,7 @@ class _ExpertParallelStep(torch.autograd.Function):
         )
         grad_w2 = _w2_grad(grad_own, own_saved, route.offs_own)
         grad_w1, grad_w3 = _w13_grads(own_saved, own_grad_gate, own_grad_up, route.offs_own)
+        recv_saved = _swiglu_saved(routed_RD, hidden[2:], weights, route.offs_recv)
         work.wait()
         grad_RD = grad_recv_MD.index_select(0, token_M)
         grad_x_RD, grad_gate, grad_up = _swiglu_input_grad(
@@ -381,7 +413,7 @@ class _ExpertParallelStep(torch.autograd.Function):
         grad_x_TD = grad_sent_ND.index_select(0, row_XT[0])
         for x in range(1, X):
             grad_x_TD.add_(grad_sent_ND.index_select(0, row_XT[x]))
-        return (grad_x_TD, grad_scores_TX, grad_w1, grad_w2, grad_w3, *(None,) * 6)
+        return (grad_x_TD, grad_scores_TX, grad_w1, grad_w2, grad_w3, *(None,) * 7)
 
 
 # Note [Ranks with identical tokens]
@@ -618,6 +650,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         y_TD = _ExpertParallelStep.apply(
             x_TD, scores_TX, *weights, ids_TX, counts_X,
             self.mesh.get_group(), key_G, e, self.rank,
+            getattr(experts, "recompute_experts", False),
         )
         return self._finish(y_TD)
 

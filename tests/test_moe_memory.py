@@ -180,6 +180,20 @@ def test_sum_backward_and_no_input_grad():
         assert torch.equal(p.grad, r.grad), name
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_zero_tokens(top_k, recompute):
+    """A batch without tokens (a data rank with nothing to route) runs forward and backward
+    on the fused node, as on the plain path."""
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(dim=16, hidden_dim=32, num_experts=4, top_k=top_k,
+                        recompute_experts=recompute))
+    x = torch.randn(1, 0, 16, requires_grad=True)
+    moe(x).sum().backward()
+    assert x.grad.shape == (1, 0, 16)
+    assert all(p.grad is None or not p.grad.any() for p in moe.parameters())
+
+
 def saved_bound(T: int, K: int, D: int, H: int, E: int, dtype_bytes: int, recompute: bool):
     """Upper bound, without parameters, of what one forward saves (Note [What the experts save
     for backward]): the input ``T x D`` (kept by the router's gate too), the two

@@ -313,14 +313,14 @@ class _RoutedSwiGLU(torch.autograd.Function):
             grad_ND = grad_TD * s_TK
         else:
             grad_ND = torch.bmm(s_TK.unsqueeze(1).transpose(1, 2), grad_TD.unsqueeze(1))
-            grad_ND = grad_ND.view(T * K, -1)
+            grad_ND = grad_ND.view(T * K, grad_TD.shape[-1])
         grad_RD = grad_ND.index_select(0, order_N).contiguous()
         del grad_ND
         grad_scores_TK = None
         if need[1]:
             # out_RD again, by the forward's own call: the plain path's saved expert outputs.
             out_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
-            out_TKD = out_RD.index_select(0, row_TK.reshape(-1)).view(T, K, -1)
+            out_TKD = out_RD.index_select(0, row_TK.reshape(-1)).view(T, K, out_RD.shape[-1])
             del out_RD
             if K == 1:
                 grad_scores_TK = (grad_TD * out_TKD[:, 0]).sum(1, keepdim=True)

@@ -342,6 +342,7 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
         meshes,
         sequence_parallel=layout.sequence_parallel,
         expert_tp_dispatch=layout.expert_tp_dispatch,
+        ep_overlap=not args.no_overlap,
     )
     x, grad_y = _parallel_input(args, layout, meshes, DTYPES[args.dtype])
     routed_RD, counts_e = _captured_rows(moe, x)
@@ -481,6 +482,12 @@ def _parse() -> argparse.Namespace:
         "exchange), to show what the exchanges themselves cost",
     )
     p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="parallel layouts: the plain dispatch -> compute -> combine path with functional "
+        "collectives instead of the one-node overlapped step (parallelize_moe(ep_overlap=False))",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="also step torch.compile(moe) in every repeat, next to the eager step",
@@ -528,6 +535,7 @@ def main() -> None:
         f"experts={args.experts} top_k={args.top_k} shared={args.shared} dtype={args.dtype} "
         f"threads={args.threads} repeats={args.repeats}"
         + (" free_exchanges (diagnostic: outputs are wrong)" if args.free_exchanges else "")
+        + (" no_overlap (plain EP path)" if args.no_overlap else "")
     )
     rows = "rows per rank" if args.layout in PARALLEL else "rows per expert"
     print(f"expert path: {result['path']}  {rows}: {result['counts']}")

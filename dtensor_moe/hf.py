@@ -315,9 +315,13 @@ def moe_from_hf(block: nn.Module) -> MoE:
 
 
 def _looks_like_moe_block(module: nn.Module) -> bool:
-    """A block of an MoE family we do not convert: routed experts beside a router."""
+    """A block of an MoE family we do not convert: a router (``gate`` or ``router`` child)
+    beside routed experts, held in an ``experts`` child or, as in JetMoE's ``JetMoeMoE``
+    (``input_linear``/``output_linear``), by a block whose class name says MoE."""
     children = dict(module.named_children())
-    return "experts" in children and ("gate" in children or "router" in children)
+    if "gate" not in children and "router" not in children:
+        return False
+    return "experts" in children or "moe" in type(module).__name__.lower()
 
 
 def replace_moe_blocks(model: nn.Module) -> list[str]:

@@ -208,6 +208,10 @@ def test_unsupported_blocks_and_settings():
     assert isinstance(model.model.layers[0].mlp, type(hf_model("qwen3_moe").model.layers[0].mlp))
     assert model.state_dict().keys() == before.keys()  # nothing swapped
 
+    jetmoe = _jetmoe_model()  # experts in input_linear/output_linear, no `experts` child
+    with pytest.raises(TypeError, match=r"JetMoeMoE is not a supported MoE block; " + supported):
+        hf.replace_moe_blocks(jetmoe)
+
     with pytest.raises(ValueError, match=r"router jitter \(router_jitter_noise=0\.1\) in "
                        r"training.*set config\.router_jitter_noise = 0"):
         hf.replace_moe_blocks(hf_model("mixtral", router_jitter_noise=0.1))
@@ -221,6 +225,17 @@ def test_unsupported_blocks_and_settings():
     plain = nn.Sequential(MoE(hf.moe_from_hf(hf_model("olmoe").model.layers[0].mlp).config))
     with pytest.raises(ValueError, match=r"the MoE at '0' was not made by moe_from_hf"):
         hf.to_hf_state_dict(plain)
+
+
+def _jetmoe_model() -> nn.Module:
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    config = JetMoeConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_key_value_heads=2, kv_channels=8,
+        intermediate_size=32, max_position_embeddings=32, num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    return JetMoeForCausalLM(config)
 
 
 def test_config_class_builds_tiny_models_without_network():

@@ -6,9 +6,11 @@ fused AdamW over the DTensor params (the inf-check handler, the fused handlers, 
 Then the default group is destroyed and the objects deleted: weak references to all of them must
 be dead after ``gc.collect()``, with and without ``dtensor_moe.clear_caches()``.
 
-torch 2.13 keeps meshes in caches of its own (sharding propagation, and
+torch 2.13 keeps meshes in caches of its own (sharding propagation,
 ``torch.distributed.tensor._redistribute``'s transform-info and planner caches, which hold the
-meshes of every spec they have seen); the tests empty those, so that what is left is ours.
+meshes of every spec they have seen, and the ``MeshTopoInfo.build_from_mesh`` cache of the
+redistribution cost model, which sharding propagation fills when DTensor ops run on a mesh);
+the tests empty those, so that what is left is ours.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor._redistribute as torch_redistribute
+from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -39,6 +42,7 @@ def _clear_torch_caches() -> None:
     _compat.clear_sharding_prop_cache()
     torch_redistribute._gen_transform_infos.cache_clear()
     torch_redistribute._planner_cache.clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def _train() -> tuple[dict[str, weakref.ref], list[str]]:

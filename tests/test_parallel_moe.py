@@ -149,12 +149,16 @@ class ParallelRun:
     """One layout x case: the distributed model next to its single-device reference."""
 
     def __init__(
-        self, layout: Layout, case: Case, rank: int, overlap: bool = True, **config
+        self, layout: Layout, case: Case, rank: int, overlap: bool = True, prepare=None, **config
     ) -> None:
+        """``prepare(moe)``, if given, changes the reference layer (an adapter swap, a wrapper)
+        before the copy that the styles parallelize."""
         self.layout, self.case = layout, case
         self.meshes = build_moe_meshes(**layout.meshes, device_type="cpu")
         torch.manual_seed(0)
         self.ref = MoE(make_config(case, **config))
+        if prepare is not None:
+            prepare(self.ref)
         self.model = parallelize_moe(
             copy.deepcopy(self.ref),
             self.meshes,

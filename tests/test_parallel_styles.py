@@ -320,7 +320,7 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
             (
                 "applying PrepareMoEInput twice",
                 lambda: parallelize_module(sp_moe, tp, PrepareMoEInput()),
-                r"this MoE already has a parallel forward",
+                r"this MoE already has a token-parallel plan",
             ),
             (
                 "a Shard(1) input whose shards are not DTensor's split (from_local with shape)",

@@ -579,7 +579,8 @@ class SharedExperts(nn.Module):
     Fusing is exact: the sum of ``n`` SwiGLU experts equals one SwiGLU whose hidden units are
     their concatenation. With ``gated=True`` (``MoEConfig.shared_expert_gate``) the output is
     scaled per token by ``sigmoid(x @ gate.weight.T)``, ``gate`` an ``nn.Linear(dim, 1)`` without
-    bias (Qwen2-MoE). No collective runs here.
+    bias (Qwen2-MoE). No collective runs here. ``x_TD`` may have any leading shape
+    ``(..., dim)``.
     """
 
     def __init__(
@@ -604,7 +605,10 @@ class SharedExperts(nn.Module):
         return ws if self.gate is None else (*ws, self.gate.weight)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return shared_mlp(x_TD, *self.weights())
+        """:func:`shared_mlp`'s math through the ``w1``/``w2``/``w3``/``gate`` modules, so that
+        their hooks and adapter swaps apply (Note [One forward] in ``tokens.py``)."""
+        y_TD = self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
+        return y_TD if self.gate is None else torch.sigmoid(self.gate(x_TD)) * y_TD
 
 
 def shared_mlp(

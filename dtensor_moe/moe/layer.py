@@ -7,25 +7,26 @@ Shape legend:
 
 Data flow (one rank)::
 
-    x (B, L, D) -> x_TD -> router -> topk_scores_TK, topk_ids_TK, counts_E (, aux_loss)
+    x (B, L, D) -> x_TD -> shared_experts(x_TD)
+                       -> router -> topk_scores_TK, topk_ids_TK, counts_E (, aux_loss)
       -> experts: dispatch -> grouped SwiGLU -> combine -> y_TD
-      -> (+ shared_experts(x_TD)) -> route the aux loss (collect or attach) -> y (B, L, D)
+      -> (+ the shared output) -> route the aux loss (collect or attach) -> y (B, L, D)
 """
 
 # ruff: noqa: N806
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtensor_moe.moe.balance import attach_aux_loss
 from dtensor_moe.moe.config import MoEConfig
 from dtensor_moe.moe.dispatch import TokenDispatcher
 from dtensor_moe.moe.experts import GroupedExperts, SharedExperts
 from dtensor_moe.moe.router import TokenChoiceTopKRouter, count_unless_recompute
+from dtensor_moe.moe.tokens import RoutedTokens
 
 __all__ = ["MoE"]
 
@@ -64,14 +65,15 @@ class MoE(nn.Module):
     ``tests/test_moe_compile.py`` pins the break counts and checks outputs, input and param
     gradients and the router buffers against eager, also under activation checkpointing.
 
-    Note [Parallel forward hook]: ``parallel_forward`` is ``None`` unless a parallel style that
-    changes how tokens reach the layer (tensor or sequence parallelism, see
-    ``dtensor_moe.parallel.PrepareMoEInput``) sets it, once, when it is applied. It is then
-    called as ``parallel_forward(moe, x)`` instead of the single-process body. It is
-    configuration, like ``experts.dispatcher``: nothing writes it during a forward.
+    Note [One forward] (``tokens.py``): this forward is the layer's only one. A parallel style
+    that changes how tokens reach the layer (tensor or sequence parallelism,
+    :class:`~dtensor_moe.parallel.PrepareMoEInput`) wraps it with an input and an output hook,
+    as torch's styles do, and passes ``tokens`` (a
+    :class:`~dtensor_moe.parallel.token_parallel.TokenSplit`); the children are always called
+    as modules. The shared experts run before the router: under a parallel layout their input,
+    a DTensor, must not stay alive past the routed experts, which ``torch.compile`` runs
+    eagerly (Note [Expert parallelism under torch.compile]).
     """
-
-    parallel_forward: Callable[[MoE, torch.Tensor], torch.Tensor] | None
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -102,23 +104,32 @@ class MoE(nn.Module):
                 init_std=config.init_std,
                 gated=config.shared_expert_gate,
             )
-        self.parallel_forward = None
+        # Configuration set once by PrepareMoEInput (a TokenParallel), ``None`` otherwise.
+        self.token_parallel: object | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel_forward is not None:
-            return self.parallel_forward(self, x)
-        self._check_input(x)
-        B, L, D = x.shape
-        x_TD = x.reshape(B * L, D)
-        routing = self.router(x_TD, num_sequences=max(B, 1), count=False)
-        y_TD = self.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
+    def forward(self, x: torch.Tensor, *, tokens: RoutedTokens | None = None) -> torch.Tensor:
+        """``x`` ``(B, L, D)``; ``tokens`` is for parallel styles (Note [One forward])."""
+        if tokens is None:
+            self._check_input(x)
+            tokens = RoutedTokens.whole_batch(x.shape)
+            x = x.reshape(-1, x.shape[-1])
+        D = x.shape[-1]
+        shared_TD = None
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+            shared_TD = tokens.local(self.shared_experts(x)).reshape(-1, D)
+        routing = self.router(x, tokens=tokens, count=False)
+        x_TD = tokens.local(x).reshape(-1, D)
+        del x  # only plain tensors cross the experts (see above)
+        y_TD = self.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
+        if isinstance(y_TD, DTensor):  # expert TP with gathered tokens: Partial on the etp mesh
+            y_TD = y_TD.to_local()
+        if shared_TD is not None:
+            y_TD = y_TD + shared_TD
         if routing.aux_loss is not None:
             y_TD = attach_aux_loss(y_TD, routing.aux_loss, mode=self.config.aux_loss_mode)
-        y = y_TD.view(B, L, D)
+        y = tokens.output(y_TD)
         if self.router.training:  # last, and from this frame: Note [MoE under torch.compile]
-            count_unless_recompute(self.router.tokens_per_expert, routing.counts_E)
+            count_unless_recompute(self.router.tokens_per_expert, routing.count_E)
         return y
 
     def _check_input(self, x: torch.Tensor) -> None:

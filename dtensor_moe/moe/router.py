@@ -22,11 +22,11 @@ from torch import nn
 from dtensor_moe import _compat
 from dtensor_moe.moe.config import MoEConfig
 from dtensor_moe.moe.losses import (
-    LossTokens,
     aux_loss_from_sums,
     router_losses,
     sequence_sums,
 )
+from dtensor_moe.moe.tokens import RoutedTokens
 
 __all__ = [
     "RouterOutput",
@@ -48,8 +48,12 @@ class RouterOutput:
     Attributes:
         topk_scores_TK: combine weights of the selected experts, in the input dtype.
         topk_ids_TK: selected expert ids (int64), in ``[0, E)``.
-        counts_E: tokens this forward sent to each expert (int64). A plain tensor, so that a
-            parallel layer can all-reduce it.
+        counts_E: tokens this forward sent to each expert (int64), all routed tokens: what
+            the dispatcher sends.
+        count_E: the part of ``counts_E`` that this rank adds to ``tokens_per_expert``: the
+            same, except under ``PrepareMoEInput(routing="replicate")``, where the tp ranks
+            route the same tokens and each counts its own slice (Note [Global router
+            statistics] in ``parallel/token_parallel.py``).
         aux_loss: the router losses of this forward, each already multiplied by its
             coefficient, summed: the balance loss (``aux_loss_coeff``) and the z-loss
             (``z_loss_coeff``); 0-dim float32, or ``None`` when both are disabled or not
@@ -62,6 +66,7 @@ class RouterOutput:
     topk_scores_TK: torch.Tensor
     topk_ids_TK: torch.Tensor
     counts_E: torch.Tensor
+    count_E: torch.Tensor
     aux_loss: torch.Tensor | None
 
 
@@ -195,37 +200,57 @@ class TokenChoiceTopKRouter(nn.Module):
         nn.init.normal_(self.gate.weight, std=self.config.init_std)
 
     def forward(
-        self, x_TD: torch.Tensor, *, num_sequences: int = 1, count: bool = True
+        self,
+        x_TD: torch.Tensor,
+        *,
+        num_sequences: int = 1,
+        count: bool = True,
+        tokens: RoutedTokens | None = None,
     ) -> RouterOutput:
         """Route ``x_TD``, whose ``T`` tokens are ``num_sequences`` sequences laid end to end.
 
         ``count=False`` leaves ``tokens_per_expert`` to the caller (the :class:`MoE` layer
         counts at the end of its forward, so that under ``torch.compile`` the update is one
-        graph break at the end, not one in the middle of the graph).
+        graph break at the end, not one in the middle of the graph); the caller adds
+        ``RouterOutput.count_E``.
 
-        The steps are public so that a parallel layer can run them on its own token split:
-        ``gate`` -> :meth:`scores` -> :meth:`select` -> :meth:`combine_weights`, the counter
-        (:meth:`count_tokens`) and the router losses
-        (:func:`~dtensor_moe.moe.losses.router_losses` on the token set it routes).
+        ``tokens`` (given by the :class:`MoE` layer; Note [One forward] in ``tokens.py``)
+        describes the tokens of a parallel layout: ``x_TD`` may then be a DTensor of any
+        leading shape ``(..., D)``. The gate runs on it as a module, and the routing steps run
+        on its local logits: :meth:`scores` -> :meth:`select` -> :meth:`combine_weights`, the
+        counts, and the router losses (:func:`~dtensor_moe.moe.losses.router_losses`) on the
+        tokens this rank routes.
 
-        Collectives: none, except one forward ``all_reduce`` of the statistics of a
-        ``"global_batch"`` balance loss when ``aux_loss_group`` is set.
+        Collectives: none, except one forward ``all_reduce`` of the router-loss statistics when
+        ``tokens`` splits a batch over ranks or a ``"global_batch"`` balance loss has an
+        ``aux_loss_group``.
         """
         cfg = self.config
-        self._check_input(x_TD, num_sequences)
-        logits_TE = self.gate(x_TD.to(self.gate.weight.dtype))
+        if tokens is None:
+            self._check_input(x_TD, num_sequences)
+            tokens = RoutedTokens(
+                num_sequences=num_sequences,
+                seq_len=x_TD.shape[0] // num_sequences,
+                local_shape=tuple(x_TD.shape),
+            )
+        logits = self.gate(x_TD.to(self.gate.weight.dtype))
+        logits_TE = tokens.local(logits).reshape(-1, cfg.num_experts)
         scores_TE = self.scores(logits_TE)
         topk_ids_TK = self.select(scores_TE)
         topk_scores_TK = self.combine_weights(scores_TE, topk_ids_TK)
         counts_E = expert_counts(topk_ids_TK, cfg.num_experts)
-        tokens = LossTokens.whole(x_TD.shape[0], num_sequences, x_TD.device)
-        aux_loss = router_losses(self, logits_TE, scores_TE, topk_ids_TK, tokens)
+        count_E = counts_E
+        if tokens.owned is not None:
+            count_E = expert_counts(topk_ids_TK[tokens.owned], cfg.num_experts)
+        loss_tokens = tokens.loss_tokens(logits_TE.shape[0], logits_TE.device)
+        aux_loss = router_losses(self, logits_TE, scores_TE, topk_ids_TK, loss_tokens)
         if count:
-            self.count_tokens(counts_E)
+            self.count_tokens(count_E)
         return RouterOutput(
             topk_scores_TK=topk_scores_TK.to(x_TD.dtype),
             topk_ids_TK=topk_ids_TK,
             counts_E=counts_E,
+            count_E=count_E,
             aux_loss=aux_loss,
         )
 

@@ -9,7 +9,7 @@ from dtensor_moe.parallel.mesh import MoEMeshes, build_moe_meshes
 from dtensor_moe.parallel.padding import ShardDim, TokenShardMeta
 from dtensor_moe.parallel.plan import parallelize_moe
 from dtensor_moe.parallel.style import ExpertParallel, ExpertTensorParallel, PrepareMoEInput
-from dtensor_moe.parallel.token_parallel import TokenParallelForward
+from dtensor_moe.parallel.token_parallel import TokenParallel, TokenSplit
 
 __all__ = [
     "AllToAllMetadata",
@@ -19,7 +19,8 @@ __all__ = [
     "MoEMeshes",
     "PrepareMoEInput",
     "ShardDim",
-    "TokenParallelForward",
+    "TokenParallel",
+    "TokenSplit",
     "TokenShardMeta",
     "build_moe_meshes",
     "expert_shard_dim",

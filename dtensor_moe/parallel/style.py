@@ -17,7 +17,7 @@ runs, on every rank of the mesh:
    a config mismatch, before any other collective, so no rank can hang waiting for one that
    raised;
 3. distributes the weights (``distribute_tensor``: a scatter or broadcast from the mesh's first
-   rank) and installs the dispatcher or the layer's ``parallel_forward``.
+   rank) and installs the dispatcher, or the layer's ``token_parallel`` and its forward hooks.
 
 No style keeps per-forward state: everything one forward needs is in the dispatcher's metadata
 or local variables, so the layer works under activation-checkpoint recompute and with several
@@ -43,7 +43,7 @@ from dtensor_moe.parallel.token_parallel import (
     INPUT_LAYOUTS,
     ROUTINGS,
     Routing,
-    TokenParallelForward,
+    TokenParallel,
 )
 
 __all__ = ["ExpertParallel", "ExpertTPDispatch", "ExpertTensorParallel", "PrepareMoEInput"]
@@ -85,6 +85,15 @@ def _distribute_param(
         distribute_tensor(param.data, mesh, list(placements)), param.requires_grad
     )
     module.register_parameter(name, dparam)
+
+
+def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Every parameter of ``module`` and its children that is not a DTensor yet becomes a
+    ``Replicate()`` DTensor on ``mesh`` (an adapter swapped in before the style included)."""
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                _distribute_param(sub, name, mesh, [Replicate()])
 
 
 def _check_module(module: nn.Module, cls: type, style: str) -> None:
@@ -326,7 +335,14 @@ class PrepareMoEInput(ParallelStyle):
     ``Shard(1)``) under ``"replicate"``. Replicated weights used on split tokens get
     ``Partial`` gradients: FSDP2, the fused optimizer or ``full_tensor()`` reduce them over tp.
 
-    Collectives: see :class:`~dtensor_moe.parallel.token_parallel.TokenParallelForward`.
+    The style composes around the layer's own forward, as torch's styles do: a forward
+    pre-hook prepares the tokens this rank routes and a forward hook brings the output back to
+    the input's layout (:class:`~dtensor_moe.parallel.token_parallel.TokenParallel`); the
+    router, its gate and the shared experts are called as modules, so their hooks, separate
+    ``fully_shard`` units, ``checkpoint_wrapper`` and adapters swapped in before the style
+    (their parameters are replicated too) work as in one process.
+
+    Collectives: see :class:`~dtensor_moe.parallel.token_parallel.TokenParallel`.
 
     Raises:
         ValueError: at construction for an unknown ``input_layout``/``routing``; when applied,
@@ -354,22 +370,21 @@ class PrepareMoEInput(ParallelStyle):
         style = repr(self)
         if not isinstance(module, MoE):
             raise TypeError(f"{style} applies to an MoE layer, got {type(module).__name__}")
-        if module.parallel_forward is not None:
-            raise ValueError(f"{style}: this MoE already has a parallel forward")
+        if module.token_parallel is not None:
+            raise ValueError(f"{style}: this MoE already has a token-parallel plan")
         _check_ndim(device_mesh, (1,), style, 'pass the 1-D tp mesh such as meshes.dense["tp"]')
         _agree_or_raise(device_mesh, "the MoE config", module.config, None)
-        _distribute_param(module.router.gate, "weight", device_mesh, [Replicate()])
+        _replicate_params(module.router, device_mesh)
         if module.shared_experts is not None:
             shared = module.shared_experts
-            split = self.routing == "split"
-            for name, dim in (("w1", 0), ("w2", 1), ("w3", 0)):
-                placement = Replicate() if split else Shard(dim)
-                _distribute_param(getattr(shared, name), "weight", device_mesh, [placement])
-            if shared.gate is not None:  # one score per token, like the router gate
-                _distribute_param(shared.gate, "weight", device_mesh, [Replicate()])
-        module.parallel_forward = TokenParallelForward(
-            mesh=device_mesh, input_layout=self.input_layout, routing=self.routing
-        )
+            if self.routing == "replicate":  # column-wise w1/w3, row-wise w2
+                for name, dim in (("w1", 0), ("w2", 1), ("w3", 0)):
+                    _distribute_param(getattr(shared, name), "weight", device_mesh, [Shard(dim)])
+            _replicate_params(shared, device_mesh)  # the rest (all under "split"), the gate
+        plan = TokenParallel(mesh=device_mesh, input_layout=self.input_layout, routing=self.routing)
+        module.token_parallel = plan
+        module.register_forward_pre_hook(plan.input_hook, with_kwargs=True)
+        module.register_forward_hook(plan.output_hook, with_kwargs=True)
         return module
 
     def __repr__(self) -> str:

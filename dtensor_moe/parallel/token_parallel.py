@@ -1,4 +1,4 @@
-"""The MoE forward under tensor / sequence parallelism: which tokens each TP rank routes.
+"""The MoE layer under tensor / sequence parallelism: which tokens each TP rank routes.
 
 Shape legend:
     B  sequences, L  tokens per sequence (global, as the input DTensor says)
@@ -8,9 +8,10 @@ Shape legend:
 
 Note [Token-parallel MoE]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-:class:`~dtensor_moe.parallel.PrepareMoEInput` installs :class:`TokenParallelForward` as the
-layer's ``parallel_forward`` (Note [Parallel forward hook] in ``dtensor_moe/moe/layer.py``). The
-MoE input is a DTensor on the 1-D tp mesh, ``Shard(1)`` (sequence parallel; uneven lengths
+:class:`~dtensor_moe.parallel.PrepareMoEInput` sets a :class:`TokenParallel` as the layer's
+``token_parallel`` and registers its :meth:`~TokenParallel.input_hook` and
+:meth:`~TokenParallel.output_hook` around the layer's own forward (Note [One forward] in
+``dtensor_moe/moe/tokens.py``). The MoE input is a DTensor on the 1-D tp mesh, ``Shard(1)`` (sequence parallel; uneven lengths
 allowed) or ``Replicate()``; a plain tensor counts as ``Replicate()``. The output has the
 input's layout (and is a plain tensor when the input was). Two routings:
 
@@ -23,45 +24,51 @@ input's layout (and is a plain tensor when the input was). Two routings:
     expert-parallel over ranks that include the tp ranks, so their weight gradients are
     ``Shard(0)`` DTensors and need no tp reduction.
 
+Note [Short sequences under sequence parallelism]: DTensor's view rules cannot flatten a
+``Shard(1)`` dim that leaves some rank no element (torch 2.13: ``L < tp`` makes a linear layer
+on the ``(B, L, D)`` shard all-gather its input, or raise when ``L == 1``). So under ``"split"``
+a ``Shard(1)`` input with ``L < tp`` (decoding one token, say) is routed like a replicated one:
+all-gathered, and split into ``1/tp`` slices of the flattened tokens; its output is gathered
+and handed back as ``Shard(1)``. ``tests/test_moe_composable.py`` shows the DTensor behaviour
+that needs it.
+
 ``"replicate"`` (expert tensor parallelism): every tp rank routes all tokens of the tp group
     (a ``Shard(1)`` input is all-gathered). Each rank computes a hidden-dim slice of every
     expert (and of the shared experts), so the outputs are ``Partial`` and are reduced to the
     input layout: reduce-scatter for ``Shard(1)``, all-reduce for ``Replicate()``.
 
-The routed region (router top-k, dispatch, experts, combine) runs on local tensors. Its DTensor
-inputs, the tokens and the router logits, become local with gradient placements derived from
+The router gate and the shared experts run as modules on the token DTensor (the input hook's
+output) with DTensor weights, so DTensor derives their gradients: a ``Replicate`` weight used
+on split tokens gets a ``Partial`` gradient (reduced over tp by FSDP2, by ``full_tensor()`` or
+by the optimizer), a column/row-sharded weight a sharded one. The routed region (router
+top-k, dispatch, experts, combine) runs on local tensors: the tokens, the gate logits and the
+shared output become local (:meth:`TokenSplit.local`) with gradient placements derived from
 the region's output (:func:`region_grad_placements`): under ``"split"`` the output is a shard,
 and a shard's gradient is a shard; under ``"replicate"`` the output is ``Partial``, so the
-local gradient of a replicated input is a partial sum (``Partial``). The router gate and the
-shared experts run as DTensor ops on the token DTensor, so DTensor derives their gradients:
-a ``Replicate`` weight used on split tokens gets a ``Partial`` gradient (reduced over tp by
-FSDP2, by ``full_tensor()`` or by the optimizer), a column/row-sharded weight a sharded one.
+local gradient of a replicated input is a partial sum (``Partial``).
 
 Router statistics are global (see Note [Global router statistics]).
 """
 
-# ruff: noqa: N803, N806, N812
+# ruff: noqa: N806
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from dtensor_moe import _compat
-from dtensor_moe.moe.balance import attach_aux_loss
-from dtensor_moe.moe.experts import shared_mlp
 from dtensor_moe.moe.layer import MoE
-from dtensor_moe.moe.losses import LossTokens, router_losses
-from dtensor_moe.moe.router import RouterOutput, TokenChoiceTopKRouter, expert_counts
+from dtensor_moe.moe.losses import LossTokens
+from dtensor_moe.moe.tokens import RoutedTokens
 from dtensor_moe.parallel.mesh import local_rank, mesh_ranks
 from dtensor_moe.parallel.padding import TokenShardMeta
 
-__all__ = ["Routing", "TokenParallelForward", "region_grad_placements"]
+__all__ = ["Routing", "TokenParallel", "TokenSplit", "region_grad_placements"]
 
 Routing: TypeAlias = Literal["split", "replicate"]
 ROUTINGS: tuple[Routing, ...] = ("split", "replicate")
@@ -76,43 +83,96 @@ def region_grad_placements(
     A sharded input's local gradient is the gradient of its shard (the shard is all this rank
     reads). A replicated input's local gradient is complete when the region's output is
     replicated too (every rank computed the same thing) and a partial sum otherwise (each rank
-    produced a different shard or a partial sum of the output). See Note [Token-parallel MoE].
+    produced a different shard or a partial sum of the output). A ``Partial`` input (the shared
+    experts' output under expert tensor parallelism) is a summand of the ``Partial`` output on
+    each rank, so each rank's local gradient is the whole gradient: ``Replicate()``. See Note
+    [Token-parallel MoE].
     """
-    return [p if p.is_shard() or region_output.is_replicate() else Partial() for p in in_placements]
+    return [_grad_placement(p, region_output) for p in in_placements]
 
 
-def _local_views(ts: tuple[DTensor, ...], region_output: Placement) -> tuple[torch.Tensor, ...]:
-    """The local tensors of ``ts`` inside the routed region, with derived gradient placements
-    (:func:`region_grad_placements`), as one autograd node (``_compat.local_views``)."""
-    grad_placements = tuple(tuple(region_grad_placements(t.placements, region_output)) for t in ts)
-    return _compat.local_views(ts, grad_placements)
+def _grad_placement(p: Placement, region_output: Placement) -> Placement:
+    if p.is_partial():
+        return Replicate()
+    return p if p.is_shard() or region_output.is_replicate() else Partial()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Tokens:
-    """The tokens this rank routes, for one forward (see Note [Token-parallel MoE]).
+class TokenSplit(RoutedTokens):
+    """The tokens this tp rank routes in one forward (built by :meth:`TokenParallel.input_hook`
+    and passed to ``MoE.forward`` as ``tokens``; see Note [Token-parallel MoE]).
 
-    Attributes:
-        x: DTensor on the tp mesh whose local tensor holds exactly these tokens.
+    Attributes (besides :class:`~dtensor_moe.moe.tokens.RoutedTokens`'):
+        mesh: the tp mesh.
         region_output: placement of the routed output on the tp mesh (a shard, or Partial).
+        shape: global shape of the token DTensor the layer receives.
         sequence_T: global sequence index of each local token.
-        owned: the local tokens whose router statistics this rank counts (``None``: all).
+        shard_group: the tp mesh when the batch's tokens are split over it, else ``None``.
+        local_output: the layer's input was a plain tensor, so its output is one too.
+        flat_rows: this rank's rows of the flattened ``B * L`` tokens when it routes a ``1/tp``
+            slice of them (``"split"`` routing of a replicated input or a short sequence),
+            else ``None``.
     """
 
-    x: DTensor
+    mesh: DeviceMesh
     region_output: Placement
+    shape: torch.Size
     sequence_T: torch.Tensor
-    owned: slice | None
+    shard_group: DeviceMesh | None
+    local_output: bool
+    flat_rows: slice | None
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor):
+            return t
+        if t.placements[0].is_replicate() and self.flat_rows is not None:
+            # Fewer flat tokens than tp ranks: DTensor does not shard a dim smaller than the
+            # mesh, so the module ran on all tokens. Take this rank's rows; the other ranks'
+            # rows get no gradient here, so the local gradient is a partial sum.
+            return _compat.local_views((t,), ((Partial(),),))[0][self.flat_rows]
+        if t.placements[0].is_shard() != self.region_output.is_shard():
+            raise RuntimeError(
+                f"PrepareMoEInput: a module of the MoE layer returned a DTensor with placements "
+                f"{t.placements!r} on {t.device_mesh}, but the tokens this rank routes are "
+                f"{self.region_output!r}; the router gate and the shared experts must act on "
+                "each token separately (row-wise), so that their outputs keep the tokens' split"
+            )
+        grad_placements = tuple(region_grad_placements(t.placements, self.region_output))
+        return _compat.local_views((t,), (grad_placements,))[0]
+
+    def loss_tokens(self, num_tokens: int, device: torch.device) -> LossTokens:
+        return LossTokens(
+            sequence_T=self.sequence_T,
+            num_sequences=self.num_sequences,
+            seq_len=self.seq_len,
+            owned=self.owned,
+            shard_group=self.shard_group,
+        )
+
+    def output(self, y_TD: torch.Tensor) -> DTensor:
+        """The routed output as a DTensor in ``region_output`` (the output hook brings it to
+        the input's layout)."""
+        return DTensor.from_local(
+            y_TD.view(self.local_shape),
+            self.mesh,
+            [self.region_output],
+            shape=self.shape,
+            stride=_compat.contiguous_stride(self.shape),
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TokenParallelForward:
-    """``parallel_forward`` of a :class:`~dtensor_moe.moe.MoE` under TP/SP.
+class TokenParallel:
+    """The token-parallel plan of a :class:`~dtensor_moe.moe.MoE` (its ``token_parallel``).
 
     Keyword Args:
         mesh: the 1-D tp mesh.
         input_layout: ``Shard(1)`` or ``Replicate()``; the placement a DTensor input must have.
         routing: ``"split"`` or ``"replicate"``; see Note [Token-parallel MoE].
+
+    Configuration, set once by :class:`~dtensor_moe.parallel.PrepareMoEInput`, which registers
+    :meth:`input_hook` (a forward pre-hook) and :meth:`output_hook` (a forward hook) on the
+    layer. Nothing writes it during a forward.
 
     Collectives on the tp mesh (besides the experts' own all-to-alls on the EP mesh):
 
@@ -142,47 +202,35 @@ class TokenParallelForward:
         object.__setattr__(self, "tp_ranks", mesh_ranks(self.mesh))
         object.__setattr__(self, "tp_rank", local_rank(self.mesh))
 
-    def __call__(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    def input_hook(
+        self, moe: MoE, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Forward pre-hook: the input as the token DTensor this rank routes, and ``tokens``.
+
+        Validates everything before the first collective, so every rank fails the same way.
+        """
+        if len(args) != 1 or kwargs:
+            raise TypeError(
+                "an MoE under PrepareMoEInput is called as moe(x) with one positional input, "
+                f"got {len(args)} positional and keyword arguments {sorted(kwargs)}"
+            )
+        (x,) = args
         self.check_experts(moe)
         x_in = self._input(moe, x)
-        B, L, D = x_in.shape
-        tokens = self._tokens(x_in)
-        shared = moe.shared_experts
-        shared_ws = () if shared is None else shared.weights()
-        x_local, gate_local, *shared_local = _local_views(
-            (tokens.x, moe.router.gate.weight, *shared_ws), tokens.region_output
-        )
-        x_TD = x_local.reshape(-1, D)
-        logits_TE = F.linear(x_TD.to(gate_local.dtype), gate_local)  # as the router: gate dtype
-        routing, owned_counts_E = self._route(
-            moe.router, logits_TE, tokens, x_TD.dtype, batch=B, seq_len=L
-        )
-        # Only plain tensors and shapes stay alive past the experts, which break the graph
-        # under torch.compile (Note [Expert parallelism under torch.compile]): a DTensor, or a
-        # view of one, carried across the break would become a graph output whose gradient
-        # AOT autograd cannot match.
-        region_output, region_shape = tokens.region_output, tokens.x.shape
-        local_shape = x_local.shape
-        del tokens, x_in, x_local
-        y_TD = moe.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
-        if isinstance(y_TD, DTensor):  # expert TP: a Partial DTensor on the etp mesh
-            y_TD = y_TD.to_local()
-        if shared is not None:
-            y_TD = y_TD + shared_mlp(x_TD, *shared_local)
-        if routing.aux_loss is not None:
-            y_TD = attach_aux_loss(y_TD, routing.aux_loss, mode=moe.config.aux_loss_mode)
-        y = DTensor.from_local(
-            y_TD.view(local_shape),
-            self.mesh,
-            [region_output],
-            shape=region_shape,
-            stride=_compat.contiguous_stride(region_shape),
-        )
-        y = self._output(y, (B, L, D))
-        # Last, as in MoE.forward: under torch.compile, the eager counter update is the one
-        # break of a training forward besides the experts (Note [MoE under torch.compile]).
-        moe.router.count_tokens(owned_counts_E)
-        return y if isinstance(x, DTensor) else y.to_local()
+        x_tokens, split = self._tokens(x_in, local_output=not isinstance(x, DTensor))
+        return (x_tokens,), {"tokens": split}
+
+    def output_hook(
+        self, moe: MoE, args: tuple[Any, ...], kwargs: dict[str, Any], y: DTensor
+    ) -> torch.Tensor:
+        """Forward hook: the output in the input's layout (a plain tensor for a plain input)."""
+        split = kwargs["tokens"]
+        if y.ndim == 2:  # a flat token split: gather, then the input's layout
+            B, L = split.num_sequences, split.seq_len
+            y = y.redistribute(self.mesh, [Replicate()]).view(B, L, y.shape[-1])
+        if y.placements[0] != self.input_layout:
+            y = y.redistribute(self.mesh, [self.input_layout])
+        return y.to_local() if split.local_output else y
 
     # -- validation -------------------------------------------------------------------------
 
@@ -268,53 +316,14 @@ class TokenParallelForward:
 
     # -- tokens in, output out ----------------------------------------------------------------
 
-    def _tokens(self, x_in: DTensor) -> _Tokens:
-        B, L, D = x_in.shape
-        tp, rank = self.mesh.size(), self.tp_rank
-        device = x_in.device
-        if self.routing == "replicate":
-            x = x_in.redistribute(self.mesh, [Replicate()])
-            flat = TokenShardMeta.from_shape(B, L, tp, "flat")
-            start = flat.offset(rank)
-            owned = slice(start, start + flat.local_len(rank))
-            sequence_T = torch.arange(B * L, device=device) // max(L, 1)
-            return _Tokens(x=x, region_output=Partial(), sequence_T=sequence_T, owned=owned)
-        if self.input_layout.is_shard():
-            meta = TokenShardMeta.from_shape(B, L, tp, 1)
-            x = x_in
-        else:
-            meta = TokenShardMeta.from_shape(B, L, tp, "flat")
-            x = x_in.view(B * L, D).redistribute(self.mesh, [Shard(0)])
-        # x's local rows are meta's split: a Shard(1) input was checked in _input, and the
-        # flat Shard(0) above is DTensor's own redistribute (test_padding pins the agreement).
-        sequence_T = meta.global_token_index(rank, device=device) // max(L, 1)
-        return _Tokens(x=x, region_output=x.placements[0], sequence_T=sequence_T, owned=None)
-
-    def _output(self, y: DTensor, shape: tuple[int, int, int]) -> DTensor:
-        if y.placements[0] == self.input_layout:
-            return y
-        y = y.redistribute(self.mesh, [self.input_layout])
-        return y.view(shape)
-
-    # -- router statistics --------------------------------------------------------------------
-
-    def _route(
-        self,
-        router: TokenChoiceTopKRouter,
-        logits_TE: torch.Tensor,
-        tokens: _Tokens,
-        dtype: torch.dtype,
-        *,
-        batch: int,
-        seq_len: int,
-    ) -> tuple[RouterOutput, torch.Tensor]:
-        """The router's steps on local logits, with global statistics, and the counts of the
-        tokens this rank counts in ``tokens_per_expert`` (the caller adds them last).
+    def _tokens(self, x_in: DTensor, *, local_output: bool) -> tuple[DTensor, TokenSplit]:
+        """The DTensor whose local tensor holds exactly the tokens this rank routes, and their
+        :class:`TokenSplit`.
 
         Note [Global router statistics]: every token is counted by exactly one rank of the
         world. Under ``"split"`` a rank counts the tokens it routes; under ``"replicate"`` all
         tp ranks route the same tokens, so a rank counts only its ``1/tp`` flat slice
-        (``tokens.owned``). Summing the counters over all ranks (``update_expert_bias(...,
+        (``owned``). Summing the counters over all ranks (``update_expert_bias(...,
         process_group=dist.group.WORLD)``) therefore gives the global count and the same bias
         update on every rank. The router losses (balance and z-loss) of a data-parallel rank
         are the single-device losses of its batch: the statistics are summed over the tp ranks
@@ -324,26 +333,45 @@ class TokenParallelForward:
         ``dtensor_moe/moe/losses.py``, which also says how a ``"global_batch"`` balance loss
         reduces over its ``aux_loss_group`` instead).
         """
-        cfg = router.config
-        scores_TE = router.scores(logits_TE)
-        topk_ids_TK = router.select(scores_TE)
-        topk_scores_TK = router.combine_weights(scores_TE, topk_ids_TK)
-        counts_E = expert_counts(topk_ids_TK, cfg.num_experts)
-        owned_counts_E = counts_E
-        if tokens.owned is not None:
-            owned_counts_E = expert_counts(topk_ids_TK[tokens.owned], cfg.num_experts)
-        loss_tokens = LossTokens(
-            sequence_T=tokens.sequence_T,
-            num_sequences=batch,
-            seq_len=seq_len,
-            owned=tokens.owned,
-            shard_group=self.mesh if tokens.owned is None else None,
+        B, L, D = x_in.shape
+        tp, rank = self.mesh.size(), self.tp_rank
+        device = x_in.device
+        owned = flat_rows = None
+        if self.routing == "replicate":
+            x = x_in.redistribute(self.mesh, [Replicate()])
+            flat = TokenShardMeta.from_shape(B, L, tp, "flat")
+            start = flat.offset(rank)
+            owned = slice(start, start + flat.local_len(rank))
+            sequence_T = torch.arange(B * L, device=device) // max(L, 1)
+            region_output: Placement = Partial()
+        else:
+            if self.input_layout.is_shard() and L >= tp:
+                meta = TokenShardMeta.from_shape(B, L, tp, 1)
+                x = x_in
+            else:
+                # A Replicate input, or a sequence shorter than tp (Note [Short sequences under
+                # sequence parallelism]): a 1/tp slice of the flattened tokens.
+                meta = TokenShardMeta.from_shape(B, L, tp, "flat")
+                x = x_in.redistribute(self.mesh, [Replicate()])
+                x = x.view(B * L, D).redistribute(self.mesh, [Shard(0)])
+                start = meta.offset(rank)
+                flat_rows = slice(start, start + meta.local_len(rank))
+            # x's local rows are meta's split: a Shard(1) input was checked in _input, and the
+            # flat Shard(0) above is DTensor's own redistribute (test_padding pins the
+            # agreement).
+            sequence_T = meta.global_token_index(rank, device=device) // max(L, 1)
+            region_output = x.placements[0]
+        split = TokenSplit(
+            num_sequences=B,
+            seq_len=L,
+            local_shape=tuple(_compat.local_tensor(x).shape),
+            owned=owned,
+            mesh=self.mesh,
+            region_output=region_output,
+            shape=x.shape,
+            sequence_T=sequence_T,
+            shard_group=self.mesh if owned is None else None,
+            local_output=local_output,
+            flat_rows=flat_rows,
         )
-        aux_loss = router_losses(router, logits_TE, scores_TE, topk_ids_TK, loss_tokens)
-        routing = RouterOutput(
-            topk_scores_TK=topk_scores_TK.to(dtype),
-            topk_ids_TK=topk_ids_TK,
-            counts_E=counts_E,
-            aux_loss=aux_loss,
-        )
-        return routing, owned_counts_E
+        return x, split

@@ -46,19 +46,39 @@ def _recording_init_group(opt, seen: list):
 
 
 class FastStepInstallTest(TestCase):
-    def test_step_body_is_wrapped_once(self):
+    def test_one_pre_hook_arms_the_body_for_one_call(self):
+        from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+        def ours():
+            return [h for h in _global_optimizer_pre_hooks.values()
+                    if h is fast_step._arm_fast_step]
+
         bodies = {cls: _compat.optimizer_step_body_cell(cls).cell_contents
                   for cls in FAST_STEP_CLASSES}
-        for cls, body in bodies.items():
-            self.assertTrue(getattr(body, "_dtensor_moe_fast_step", False), cls)
-            self.assertIs(body.__wrapped__, inspect.unwrap(cls.step))  # torch's body
+        for cls, body in bodies.items():  # at rest the cells hold torch's own bodies
+            self.assertFalse(hasattr(body, "_dtensor_moe_fast_step"), cls)
+            self.assertIs(body, inspect.unwrap(cls.step))
         steps = {cls: cls.step for cls in FAST_STEP_CLASSES}
-        dtensor_moe.register_strategies()  # idempotent: no second wrapper
-        self.assertEqual(
-            bodies,
-            {cls: _compat.optimizer_step_body_cell(cls).cell_contents for cls in FAST_STEP_CLASSES},
-        )
+        self.assertEqual(len(ours()), 1)
+        dtensor_moe.register_strategies()  # idempotent: no second hook, no wrapper
+        self.assertEqual(len(ours()), 1)
         self.assertEqual(steps, {cls: cls.step for cls in FAST_STEP_CLASSES})
+        # armed by hand (as the hook does for a DTensor optimizer), a step that raises in its
+        # body still leaves torch's body in the cell: the wrapper disarms first thing
+        sgd_cell = _compat.optimizer_step_body_cell(torch.optim.SGD)
+        cell, armed = next(w for c, _, w in fast_step._body_cells() if c is sgd_cell)
+        cell.cell_contents = armed
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.ones(3)
+        opt = torch.optim.SGD([p], lr=0.1)
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("raised inside the step body")
+
+        opt._init_group = boom
+        with self.assertRaisesRegex(RuntimeError, "raised inside the step body"):
+            opt.step()
+        self.assertIs(cell.cell_contents, bodies[torch.optim.SGD])
 
     def test_plain_params_take_torchs_step(self):
         p = torch.nn.Parameter(torch.randn(4, 4))

@@ -86,6 +86,15 @@ def _step_body(cls):
     return _compat.optimizer_step_body_cell(cls).cell_contents
 
 
+def _our_pre_hooks() -> int:
+    """How many times dtensor_moe's fast-step pre-hook is registered."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    from dtensor_moe.optim.fast_step import _arm_fast_step
+
+    return sum(h is _arm_fast_step for h in _global_optimizer_pre_hooks.values())
+
+
 def test_fast_entries_wrap_torch_functions_once():
     for name in _ENTRY_NAMES:
         torchs = getattr(torch._C._VariableFunctions, name)
@@ -103,10 +112,11 @@ def test_set_fast_paths_restores_torchs_objects_and_back():
     steps = {cls: cls.step for cls in FAST_STEP_CLASSES}
     handlers = dict(_compat.custom_op_handlers())
     assert fast_paths_enabled()
-    assert all(getattr(_step_body(cls), "_dtensor_moe_fast_step", False) for cls in steps)
+    assert _our_pre_hooks() == 1
     set_fast_paths(False)
     try:
         assert not fast_paths_enabled()
+        assert _our_pre_hooks() == 0
         for name in _ENTRY_NAMES:
             assert getattr(torch, name) is getattr(torch._C._VariableFunctions, name)
         original = torch.optim.Optimizer.__dict__[grouping]
@@ -125,7 +135,9 @@ def test_set_fast_paths_restores_torchs_objects_and_back():
         set_fast_paths(True)
     assert torch.optim.Optimizer.__dict__[grouping] is not original
     assert torch.optim.Optimizer.__dict__[grouping].__func__.__wrapped__ is original.__func__
-    assert all(getattr(_step_body(cls), "_dtensor_moe_fast_step", False) for cls in steps)
+    assert _our_pre_hooks() == 1
+    for cls in FAST_STEP_CLASSES:  # at rest, in either mode: torch's own body (Note [Fast step])
+        assert _step_body(cls) is inspect.unwrap(cls.step)
     with pytest.raises(TypeError, match=r"set_fast_paths expects True or False, got 'no'"):
         set_fast_paths("no")
 

@@ -44,15 +44,33 @@ class FusedOptimizerAcrossMeshesTest(DistTestBase):
                 opt_ref.step()
         return ref
 
-    def _run_steps(self, cls_name, kwargs, impl, meshes) -> list:
-        """Step DTensor params (in the current fast-paths mode); return their local shards."""
+    def _run_steps(self, cls_name, kwargs, impl, meshes) -> tuple[list, dict]:
+        """Step DTensor params (in the current fast-paths mode); return them and the
+        optimizer's ``state_dict``."""
         dt = [p.detach().requires_grad_() for p in distribute(full_params(), meshes)]
         opt_dt = make_optimizer(cls_name, dt, kwargs, impl)
         for step in range(STEPS):
             for p, g in zip(dt, distribute(full_grads(step), meshes)):
                 p.grad = g
             opt_dt.step()
-        return dt
+        return dt, opt_dt.state_dict()
+
+    def _assert_same_state(self, on: dict, off: dict, where: str) -> None:
+        """Bit-identical optimizer state with the fast paths on and off, DTensor state on
+        its param's mesh and placements in both."""
+        self.assertEqual(on["param_groups"], off["param_groups"], where)
+        self.assertEqual(on["state"].keys(), off["state"].keys(), where)
+        for idx, state in on["state"].items():
+            self.assertEqual(state.keys(), off["state"][idx].keys(), f"{where} param {idx}")
+            for key, value in state.items():
+                other = off["state"][idx][key]
+                what = f"{where}: state[{idx}][{key!r}], fast paths on vs off"
+                self.assertEqual(type(value), type(other), what)
+                if isinstance(value, DTensor):
+                    self.assertEqual((value.device_mesh, value.placements),
+                                     (other.device_mesh, other.placements), what)
+                    value, other = value.to_local(), other.to_local()
+                self.assertEqual(value, other, atol=0, rtol=0, msg=what)
 
     @with_comms
     def test_every_optimizer_matches_single_device(self):
@@ -66,11 +84,12 @@ class FusedOptimizerAcrossMeshesTest(DistTestBase):
                 for enabled in (True, False):
                     with fast_paths(enabled):
                         runs[enabled] = self._run_steps(cls_name, kwargs, impl, meshes)
-                for on, off in zip(runs[True], runs[False]):
+                for on, off in zip(runs[True][0], runs[False][0]):
                     self.assertEqual(on.to_local(), off.to_local(), atol=0, rtol=0,
                                      msg=f"{label} ({impl}): fast paths on vs off")
+                self._assert_same_state(runs[True][1], runs[False][1], f"{label} ({impl})")
                 err = max((d.full_tensor() - r).abs().max().item()
-                          for d, r in zip(runs[True], ref))
+                          for d, r in zip(runs[True][0], ref))
                 self.assertLessEqual(err, TOL, f"{label} ({impl}): max abs error {err}")
 
     @with_comms

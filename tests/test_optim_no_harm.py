@@ -186,13 +186,9 @@ class ImportDoesNoHarmTest(TestCase):
             """{('AdamW', 'forloop'): (1, 2, 10), ('AdamW', 'fused'): (0, 4, 14), ('SGD', 'forloop'): (1, 2, 10), ('SGD', 'fused'): (0, 3, 12), ('Adagrad', 'forloop'): (1, 2, 10), ('Adagrad', 'fused'): (0, 3, 12)}""",
         )
         self.assertEqual(self.results["env0"]["compiled"], torch_counts)
-        imported = self.results["import"]["compiled"]
-        for case, counts in torch_counts.items():
-            if case[1] == "forloop":  # the default step: exactly torch's counts
-                self.assertEqual(imported[case], counts, case)
-            else:  # documented (docs/optimizers.md, Known limits): one more break and frame
-                graphs, breaks, frames = counts
-                self.assertEqual(imported[case], (graphs, breaks + 1, frames + 1), case)
+        # fused steps included: the fast body is armed by a pre-hook that does nothing while
+        # compiling, so dynamo sees torch's own body (Note [Fast step])
+        self.assertEqual(self.results["import"]["compiled"], torch_counts)
 
     def test_env_var_leaves_the_speed_only_patches_out(self):
         self.assertEqual(

@@ -27,24 +27,26 @@ Where the wrapper sits. torch decorates each ``step`` with ``_use_grad_for_diffe
 whose inner ``_use_grad`` sets grad mode, calls ``torch._dynamo.graph_break()`` and then calls the
 undecorated body held in its closure cell ``func``; torch's profiling wrapper (which runs the step
 hooks) is put around ``step`` lazily, when the first optimizer of a class is created. We replace
-neither: we put our wrapper into that closure cell (``_compat.optimizer_step_body_cell``), so
+neither. ``install_fast_step`` registers one global step pre-hook (:func:`_arm_fast_step`, public
+``torch.optim.optimizer.register_optimizer_step_pre_hook``). For an eager step without a closure
+whose params qualify, it puts the fast body into that closure cell
+(``_compat.optimizer_step_body_cell``) for this one call; the fast body puts torch's body back
+first thing, before it runs, so the cell holds torch's body again even if the step raises. So
 
 * ``Adam.step`` & co. stay the very objects torch created, whatever the order of ``import
-  dtensor_moe`` and optimizer creation, and step hooks always run outside the fast region;
-* turning the fast paths off puts the original body back into the cell: exactly torch's ``step``
-  again, and torch's profiling wrapper around it is untouched;
-* under ``torch.compile`` our wrapper is called *after* torch's graph break, so dynamo inlines it
-  (it calls the body unchanged while compiling) and a for-loop or foreach step has the same
-  graph breaks and frames as without dtensor_moe (1 graph, 2 breaks, 10 frames for AdamW,
-  SGD and Adagrad; ``tests/test_optim_no_harm.py`` pins them). A wrapper around ``step``
-  itself is one more Python frame on the stack at that graph break, which costs one more break
-  and one more frame (measured: 3 breaks and 11 frames against 2 and 10 for an AdamW step).
-  A *fused* step still costs one more of each with the fast paths on (AdamW 5 breaks and 15
-  frames against 4 and 14; SGD and Adagrad 4 and 13 against 3 and 12): torch breaks again
-  inside the body, at its dynamo-disabled ``_fused_adam``, and our wrapper is one more frame on
-  the stack there. Results are the same; ``set_fast_paths(False)`` gives torch's counts (the
-  test pins both). Neither ``torch._dynamo.substitute_in_graph`` on the wrapper nor skipping
-  its code object removed the frame (measured).
+  dtensor_moe`` and optimizer creation. Global pre-hooks run before the optimizer's own, which
+  run before the body, so every step hook runs outside the fast region;
+* turning the fast paths off removes the hook: exactly torch's ``step`` again, and torch's
+  profiling wrapper around it is untouched;
+* under ``torch.compile`` the hook does nothing, so dynamo sees torch's own body in the cell,
+  with no frame of ours on the stack. A compiled step has torch's graphs, graph breaks and
+  frames, for-loop, foreach and fused alike (``tests/test_optim_no_harm.py`` pins them against
+  a fresh interpreter without dtensor_moe). An earlier version kept the wrapper in the cell at
+  all times. Dynamo then inlined it: one more frame on the stack at the break that torch makes at
+  its dynamo-disabled ``_fused_adam``, hence one more break and one more frame per fused step.
+* Another thread that steps an optimizer of the same class while the cell is armed runs the
+  fast body, which checks again whether its own params qualify and otherwise calls torch's body
+  unchanged: the results stay torch's either way.
 
 Note [Local grouping]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -76,6 +78,7 @@ import threading
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dtensor_moe import _compat
 
@@ -186,8 +189,9 @@ _STEPS_LIST: dict[type, tuple[int, int] | None] = {
 _STATE = _StepState()
 
 
-def _wrap_body(body, steps_list: tuple[int, int] | None):
-    """The fast version of an optimizer's undecorated ``step`` body (Note [Fast step]).
+def _wrap_body(cell, body, steps_list: tuple[int, int] | None):
+    """The fast version of an optimizer's undecorated ``step`` body (Note [Fast step]), for one
+    call: :func:`_arm_fast_step` puts it into ``cell`` and it puts ``body`` back first thing.
 
     ``steps_list``: where ``state_steps`` sits in the lists that the fused step of this body
     hands to torch's grouping function (``_STEPS_LIST``).
@@ -195,6 +199,7 @@ def _wrap_body(body, steps_list: tuple[int, int] | None):
 
     @functools.wraps(body)
     def fast_step(self, closure=None):
+        cell.cell_contents = body  # armed for this call only
         if closure is None and not torch.compiler.is_compiling() and fast_step_applies(self):
             outer = _STATE.local_grouping, _STATE.steps_list
             _STATE.local_grouping = all(g.get("fused") for g in self.param_groups)
@@ -208,6 +213,27 @@ def _wrap_body(body, steps_list: tuple[int, int] | None):
 
     setattr(fast_step, _MARK, True)
     return fast_step
+
+
+def _arm_fast_step(optimizer, args, kwargs):
+    """Global optimizer step pre-hook: arms the fast body for this call when it applies.
+
+    Runs before the optimizer's own pre-hooks, so they stay outside the fast region, as do the
+    post-hooks. Does nothing while compiling: dynamo then sees torch's own body in the cell,
+    with no extra frame (Note [Fast step]).
+    """
+    if torch.compiler.is_compiling():
+        return None
+    armed = _ARMED.get(type(optimizer), _UNKNOWN)
+    if armed is _UNKNOWN:
+        cell = _compat.optimizer_step_body_cell(type(optimizer))
+        armed = next((w for c, _, w in _body_cells() if c is cell), None)
+        _ARMED[type(optimizer)] = armed
+    if armed is None or len(args) > 1 or kwargs.get("closure") is not None:
+        return None
+    if fast_step_applies(optimizer):
+        armed[0].cell_contents = armed[1]
+    return None
 
 
 def local_lists_if_aligned(tensorlistlist: list) -> tuple[tuple, list] | None:
@@ -290,9 +316,15 @@ def _make_local_grouping(original):
     return group_tensors_by_device_and_dtype
 
 
-# (closure cell, torch's original body, its _STEPS_LIST entry) for each distinct ``step`` of
-# FAST_STEP_CLASSES.
+# For each distinct ``step`` body of FAST_STEP_CLASSES: (closure cell, torch's original body,
+# (cell, fast wrapper of that body)).
 _BODIES: list[tuple] = []
+# optimizer class -> (cell, fast wrapper) of its ``step`` body, or None when its ``step`` is not
+# one of ours (a subclass with its own ``step``, another optimizer). Keyed by class: classes
+# live as long as the program, and there are a handful.
+_ARMED: dict[type, tuple | None] = {}
+_UNKNOWN = object()
+_HOOK: list = []  # the RemovableHandle of the installed pre-hook, if any
 
 
 def _body_cells() -> list[tuple]:
@@ -307,21 +339,25 @@ def _body_cells() -> list[tuple]:
             while getattr(body, _MARK, False):  # a wrapper left by an earlier copy of us
                 body = body.__wrapped__
             owner = next(c for c in _STEPS_LIST if issubclass(cls, c))
-            _BODIES.append((cell, body, _STEPS_LIST[owner]))
+            _BODIES.append((cell, body, (cell, _wrap_body(cell, body, _STEPS_LIST[owner]))))
     return _BODIES
 
 
 def install_fast_step() -> None:
-    """Wrap the body of ``step`` of :data:`FAST_STEP_CLASSES` and torch.optim's tensor grouping
-    (idempotent); see Note [Fast step] and Note [Local grouping]."""
-    for cell, body, steps_list in _body_cells():
-        if cell.cell_contents is body:
-            cell.cell_contents = _wrap_body(body, steps_list)
+    """Register the pre-hook that arms the fast ``step`` body of :data:`FAST_STEP_CLASSES`,
+    and wrap torch.optim's tensor grouping (idempotent); see Note [Fast step] and Note [Local
+    grouping]."""
+    _body_cells()
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_arm_fast_step))
     _compat.patch_optimizer_grouping(_make_local_grouping)
 
 
 def uninstall_fast_step() -> None:
-    """Put torch's own ``step`` bodies and grouping function back (the same objects)."""
+    """Remove the pre-hook, and put torch's own ``step`` bodies (should one be armed) and
+    grouping function back (the same objects)."""
+    while _HOOK:
+        _HOOK.pop().remove()
     for cell, body, _ in _BODIES:
         cell.cell_contents = body
     _compat.unpatch_optimizer_grouping()

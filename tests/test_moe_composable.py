@@ -160,6 +160,17 @@ class ComposableTest(DistTestBase):
             run.forward_backward()
 
     @with_comms
+    def test_call_with_extra_arguments_raises(self):
+        run = ParallelRun(LAYOUTS["sp2ep2"], Case(B=2, L=8, top_k=2, shared=0), self.rank)
+        x = torch.randn(2, 8, run.model.config.dim)
+        msg = (r"an MoE under PrepareMoEInput is called as moe\(x\) with one positional input, "
+               r"got 1 positional and keyword arguments \['tokens'\]")
+        with self.assertRaisesRegex(TypeError, msg):
+            run.model(x, tokens=None)
+        with self.assertRaisesRegex(TypeError, r"got 2 positional and keyword arguments \[\]"):
+            run.model(x, x)
+
+    @with_comms
     def test_separate_fsdp_units_for_router_and_shared_experts(self):
         for name in COMPOSE_LAYOUTS:
             run = ParallelRun(LAYOUTS[name], CASE, self.rank)

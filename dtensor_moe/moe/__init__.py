@@ -24,8 +24,6 @@ from dtensor_moe.moe.experts import (
     SharedExperts,
     grouped_swiglu,
     local_expert_weight,
-    shared_mlp,
-    swiglu_mlp,
 )
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.moe.losses import global_aux_loss_from_sums, router_losses, z_loss
@@ -65,8 +63,6 @@ __all__ = [
     "sequence_sums",
     "set_aux_loss_group",
     "sort_by_expert",
-    "shared_mlp",
-    "swiglu_mlp",
     "unpermute_and_reduce",
     "update_expert_bias",
     "z_loss",

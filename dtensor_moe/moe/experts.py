@@ -88,7 +88,6 @@ __all__ = [
     "grouped_swiglu",
     "local_expert_weight",
     "resolve_compute_path",
-    "swiglu_mlp",
 ]
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
@@ -599,32 +598,9 @@ class SharedExperts(nn.Module):
             if lin is not None:
                 nn.init.normal_(lin.weight, std=self.init_std)
 
-    def weights(self) -> tuple[torch.Tensor, ...]:
-        """``(w1, w2, w3)`` weights, then the gate's when gated: :func:`shared_mlp`'s order."""
-        ws = (self.w1.weight, self.w2.weight, self.w3.weight)
-        return ws if self.gate is None else (*ws, self.gate.weight)
-
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """:func:`shared_mlp`'s math through the ``w1``/``w2``/``w3``/``gate`` modules, so that
-        their hooks and adapter swaps apply (Note [One forward] in ``tokens.py``)."""
+        """``(silu(x @ w1.T) * (x @ w3.T)) @ w2.T``, times ``sigmoid(x @ gate.T)`` when gated,
+        through the ``w1``/``w2``/``w3``/``gate`` modules, so that their hooks and adapter swaps
+        apply (Note [One forward] in ``tokens.py``)."""
         y_TD = self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
         return y_TD if self.gate is None else torch.sigmoid(self.gate(x_TD)) * y_TD
-
-
-def shared_mlp(
-    x_TD: torch.Tensor,
-    w1_HD: torch.Tensor,
-    w2_DH: torch.Tensor,
-    w3_HD: torch.Tensor,
-    gate_1D: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`swiglu_mlp`, scaled per token by ``sigmoid(x @ gate.T)`` when ``gate_1D`` is given."""
-    y_TD = swiglu_mlp(x_TD, w1_HD, w2_DH, w3_HD)
-    return y_TD if gate_1D is None else torch.sigmoid(F.linear(x_TD, gate_1D)) * y_TD
-
-
-def swiglu_mlp(
-    x_TD: torch.Tensor, w1_HD: torch.Tensor, w2_DH: torch.Tensor, w3_HD: torch.Tensor
-) -> torch.Tensor:
-    """``(silu(x @ w1.T) * (x @ w3.T)) @ w2.T``: the shared-expert math on given weights."""
-    return F.linear(F.silu(F.linear(x_TD, w1_HD)) * F.linear(x_TD, w3_HD), w2_DH)

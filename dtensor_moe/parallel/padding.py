@@ -12,7 +12,7 @@ library does about it at run time:
    zero. This is what ``compute_local_shape_and_global_offset`` gives for a ``Shard`` placement
    (7 over 4 is ``[2, 2, 2, 1]``, 4 over 3 is ``[2, 2, 0]``); :class:`TokenShardMeta` computes
    it from public arithmetic (``tests/test_padding.py`` checks it against the torch internal).
-   ``TokenParallelForward`` checks that the local shard of a ``Shard(1)`` input has exactly
+   ``TokenParallel`` checks that the local shard of a ``Shard(1)`` input has exactly
    this length before any collective (``DTensor.from_local(..., shape=...)`` does not).
 2. **The library never pads a token tensor.** Where uneven shards meet a collective on the tp
    mesh, that collective is DTensor's ``redistribute``: the all-gather of the output slices
@@ -30,7 +30,7 @@ library does about it at run time:
 3. **Global token indices are batch-aware.** A local token's index into the flattened global
    ``(B * L)`` token order is ``b * L + offset_r + l`` for a sequence split (``Shard(1)``);
    ``local_idx + T_local * rank`` is wrong as soon as ``B > 1``
-   (:meth:`TokenShardMeta.global_token_index`). ``TokenParallelForward`` uses it to find each
+   (:meth:`TokenShardMeta.global_token_index`). ``TokenParallel`` uses it to find each
    token's sequence for the per-sequence auxiliary-loss statistics, and the ``"flat"`` split's
    :meth:`~TokenShardMeta.offset` / :meth:`~TokenShardMeta.local_len` to pick the ``1/tp``
    slice whose tokens a rank counts under ``"replicate"`` routing (Note [Global router

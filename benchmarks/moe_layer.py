@@ -13,6 +13,7 @@ Run::
     python benchmarks/moe_layer.py --shared 1      # with one shared expert
     python benchmarks/moe_layer.py --layout ep4    # 4 gloo processes x 1 thread
     python benchmarks/moe_layer.py --layout ep4 --compile  # + torch.compile(moe), side by side
+    python benchmarks/moe_layer.py --preset deepseek-v3    # also mixtral, qwen3; any layout
 
 Layouts: ``--layout`` picks an entry of ``LAYOUTS``. The parallel layouts (``PARALLEL``) launch
 ``world`` gloo processes with ``--threads`` threads each; every rank routes ``--tokens``
@@ -66,6 +67,27 @@ from dtensor_moe.moe.experts import resolve_compute_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+# --preset: the routing of three real model families with their widths scaled down for a CPU
+# (dim 256, the default): the expert count, top-k, score function, normalisation, scaling,
+# group-limited routing, expert bias and shared experts are the models'; each expert's hidden
+# size keeps the model's moe_intermediate / dim ratio. The sizes are flags, so an explicit
+# --experts/--top-k/--hidden/--shared after the preset is refused rather than mixed in.
+PRESETS: dict[str, dict] = {
+    # Mixtral 8x7B: dim 4096, hidden 14336, softmax over the 8 experts, top-2, renormalised
+    "mixtral": dict(experts=8, top_k=2, hidden=896, shared=0,
+                    config=dict(score_func="softmax", route_norm=True)),
+    # Qwen3-30B-A3B: dim 2048, moe_intermediate 768, 128 experts, top-8, norm_topk_prob
+    "qwen3": dict(experts=128, top_k=8, hidden=96, shared=0,
+                  config=dict(score_func="softmax", route_norm=True)),
+    # DeepSeek-V3: dim 7168, moe_intermediate 2048, 256 experts in 8 groups of which a token
+    # may use 4, top-8, sigmoid scores with a correction bias, renormalised, scaled by 2.5,
+    # one shared expert of the same width
+    "deepseek-v3": dict(experts=256, top_k=8, hidden=64, shared=1,
+                        config=dict(score_func="sigmoid", route_norm=True, route_scale=2.5,
+                                    num_expert_groups=8, num_limited_groups=4,
+                                    use_expert_bias=True)),
+}
+
 
 def _timed(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
@@ -82,6 +104,8 @@ def _build(args: argparse.Namespace) -> tuple[MoE, torch.Tensor, torch.Tensor]:
         top_k=args.top_k,
         num_shared_experts=args.shared,
         compute_path=args.path,
+        fused_routed_step=not args.plain_routed_step,
+        **PRESETS[args.preset]["config"] if args.preset else {},
     )
     dtype = DTYPES[args.dtype]
     moe = MoE(config).to(dtype)
@@ -463,6 +487,10 @@ def _parse() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="single")
+    p.add_argument("--plain-routed-step", action="store_true",
+                   help="MoEConfig(fused_routed_step=False): plain autograd, no extra matmul")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a real model's routing, scaled down (sets experts, top-k, hidden, shared)")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--hidden", type=int, default=512)
@@ -518,6 +546,13 @@ def _parse() -> argparse.Namespace:
         p.error("--compile-mode needs --compile-backend inductor")
     if args.free_exchanges and args.layout not in PARALLEL:
         p.error("--free-exchanges needs a parallel --layout")
+    if args.preset:
+        sizes = ("experts", "top_k", "hidden", "shared")
+        given = [f"--{n.replace('_', '-')}" for n in sizes if getattr(args, n) != p.get_default(n)]
+        if given:
+            p.error(f"--preset {args.preset} sets {', '.join(given)}; leave them out")
+        for name in sizes:
+            setattr(args, name, PRESETS[args.preset][name])
     return args
 
 
@@ -531,11 +566,13 @@ def main() -> None:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         result = LAYOUTS[args.layout](args)
     print(
-        f"layout={args.layout} tokens={args.tokens} dim={args.dim} hidden={args.hidden} "
+        (f"preset={args.preset} " if args.preset else "")
+        + f"layout={args.layout} tokens={args.tokens} dim={args.dim} hidden={args.hidden} "
         f"experts={args.experts} top_k={args.top_k} shared={args.shared} dtype={args.dtype} "
         f"threads={args.threads} repeats={args.repeats}"
         + (" free_exchanges (diagnostic: outputs are wrong)" if args.free_exchanges else "")
         + (" no_overlap (plain EP path)" if args.no_overlap else "")
+        + (" plain_routed_step" if args.plain_routed_step else "")
     )
     rows = "rows per rank" if args.layout in PARALLEL else "rows per expert"
     print(f"expert path: {result['path']}  {rows}: {result['counts']}")

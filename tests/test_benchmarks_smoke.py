@@ -46,6 +46,23 @@ def test_moe_layer_benchmark_runs(layout):
         assert "the one-node path's 5 all-to-alls replayed alone: wall " in out, out
 
 
+@pytest.mark.parametrize("layout", ["single", "ep4"])
+def test_moe_layer_benchmark_presets(layout):
+    out = _run(
+        "benchmarks/moe_layer.py", "--layout", layout, "--preset", "deepseek-v3", "--tokens",
+        "64", "--dim", "32", "--warmup", "1", "--repeats", "2",
+    )
+    assert f"preset=deepseek-v3 layout={layout} tokens=64 dim=32 hidden=64 experts=256 " \
+        "top_k=8 shared=1 " in out, out
+    assert "step / floor (median of per-repeat ratios):" in out, out
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/moe_layer.py", "--preset", "qwen3", "--experts", "4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--preset qwen3 sets --experts; leave them out" in proc.stderr, proc.stderr
+
+
 def test_moe_layer_benchmark_free_exchanges_diagnostic_runs_and_is_labelled():
     out = _run(
         "benchmarks/moe_layer.py", "--layout", "ep2", "--free-exchanges", "--tokens", "64",

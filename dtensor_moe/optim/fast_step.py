@@ -172,6 +172,9 @@ class _StepState(threading.local):
     # step (None: no such list); only that list may hold plain 0-dim tensors (Note [Per-slot
     # rule] in fused.py)
     steps_list: tuple[int, int] | None = None
+    # the optimizer that _arm_fast_step just found eligible on this thread; the fast body takes
+    # (and clears) it instead of checking the params a second time
+    armed_for: torch.optim.Optimizer | None = None
 
 
 # Where ``state_steps`` sits in the lists each fused step hands to torch's grouping (torch 2.13:
@@ -200,7 +203,10 @@ def _wrap_body(cell, body, steps_list: tuple[int, int] | None):
     @functools.wraps(body)
     def fast_step(self, closure=None):
         cell.cell_contents = body  # armed for this call only
-        if closure is None and not torch.compiler.is_compiling() and fast_step_applies(self):
+        armed_for, _STATE.armed_for = _STATE.armed_for, None
+        if closure is None and not torch.compiler.is_compiling() and (
+            armed_for is self or fast_step_applies(self)  # another thread's arming: check
+        ):
             outer = _STATE.local_grouping, _STATE.steps_list
             _STATE.local_grouping = all(g.get("fused") for g in self.param_groups)
             _STATE.steps_list = steps_list
@@ -232,6 +238,7 @@ def _arm_fast_step(optimizer, args, kwargs):
     if armed is None or len(args) > 1 or kwargs.get("closure") is not None:
         return None
     if fast_step_applies(optimizer):
+        _STATE.armed_for = optimizer  # this thread's verdict, taken by the fast body
         armed[0].cell_contents = armed[1]
     return None
 

@@ -127,9 +127,10 @@ def test_graph_breaks_are_pinned():
     x = torch.randn(2, 13, 64)
     results = {}
     for nested in (False, True):
-        for path in ("auto", "loop"):
+        for path in ("auto", "loop", "pad4"):
             for train in (False, True):
-                moe = make_moe(compute_path=path).train(train)
+                options = dict(pad_multiple=4) if path == "pad4" else dict(compute_path=path)
+                moe = make_moe(**options).train(train)
                 key = f"{'nested ' if nested else ''}{path} {'train' if train else 'eval'}"
                 with torch._dynamo.config.patch(nested_graph_breaks=nested):
                     results[key] = compiled_counts(torch.compile(moe, backend="eager"), x)
@@ -137,6 +138,8 @@ def test_graph_breaks_are_pinned():
     # training the router counter update runs eagerly at the very end of the forward. loop:
     # the experts run eagerly (counts read on the host), one more break, which torch's default
     # counts once per nested Python frame around it; with nested_graph_breaks it is one.
+    # pad4 (pad_multiple=4): the padded layout needs host counts, so dispatch, experts and
+    # combine run as one eager island: one break, as for loop.
     expecttest.assert_expected_inline(
         "\n".join(f"{k}: graphs={g} breaks={b}" for k, (g, b) in results.items()),
         """\
@@ -144,11 +147,27 @@ auto eval: graphs=1 breaks=0
 auto train: graphs=1 breaks=1
 loop eval: graphs=4 breaks=5
 loop train: graphs=4 breaks=6
+pad4 eval: graphs=2 breaks=3
+pad4 train: graphs=2 breaks=4
 nested auto eval: graphs=1 breaks=0
 nested auto train: graphs=1 breaks=1
 nested loop eval: graphs=2 breaks=1
-nested loop train: graphs=2 breaks=2""",
+nested loop train: graphs=2 breaks=2
+nested pad4 eval: graphs=2 breaks=1
+nested pad4 train: graphs=2 breaks=2""",
     )
+
+
+def test_padding_island_does_not_recompile_for_new_counts():
+    torch._dynamo.reset()
+    counters.clear()
+    moe = make_moe(pad_multiple=4).train()
+    compiled = torch.compile(moe, backend="eager")
+    eager = copy.deepcopy(moe)
+    for seed in range(4):  # new data each time: new counts per expert
+        x = torch.randn(2, 13, 64, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(compiled(x), eager(x))
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
 def test_fullgraph():

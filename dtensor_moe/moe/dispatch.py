@@ -317,6 +317,10 @@ class TokenDispatcher:
             if y_TD is not None:
                 return y_TD
             routed_RD, counts_e, metadata = self._dispatch_rows(x_TD, topk_scores_TK, layout)
+        elif self.pad_multiple > 1 and torch.compiler.is_compiling():
+            # the padding reads the counts on the host: one eager island, as for loop/bmm
+            return _padded_steps_eagerly(self, experts, x_TD, topk_scores_TK, topk_ids_TK,
+                                         counts_E)
         else:
             routed_RD, counts_e, metadata = self.dispatch(
                 x_TD, topk_scores_TK, topk_ids_TK, counts_E
@@ -351,3 +355,19 @@ class TokenDispatcher:
             f"{type(self).__name__}(num_experts={self.num_experts}, "
             f"pad_multiple={self.pad_multiple}, score_before_experts={self.score_before_experts})"
         )
+
+
+def _padded_steps(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E):
+    routed_RD, counts_e, metadata = dispatcher.dispatch(x_TD, topk_scores_TK, topk_ids_TK,
+                                                        counts_E)
+    return dispatcher.combine(experts.compute(routed_RD, counts_e), metadata)
+
+
+# Under torch.compile, ``pad_multiple > 1`` runs dispatch, experts and combine eagerly: the
+# padded row layout needs the counts as host ints (``_padding_shift``), and tracing that read
+# would break the graph deep inside the dispatch and recompile for new counts.
+_padded_steps_eagerly = torch.compiler.disable(
+    _padded_steps,
+    reason="pad_multiple > 1 lays the routed rows out by counts read on the host, so dispatch, "
+    "experts and combine run eagerly: one graph break; pad_multiple=1 keeps them in the graph",
+)

@@ -150,8 +150,9 @@ class RouterLossParityTest(DistTestBase):
         from tests.test_parallel_moe import close as close_rel
 
         run = ParallelRun(LAYOUTS[layout], Case(2, 7, 2, 1), self.rank, **config)
-        if global_group:
-            set_aux_loss_group(run.model, dist.group.WORLD)
+        # parallelize_moe sets it (Note [Global batch under parallelize_moe]); nothing else does
+        expected_group = dist.group.WORLD if global_group else None
+        self.assertIs(run.model.router.aux_loss_group, expected_group, layout)
         for step in range(STEPS):
 
             def check(actual, expected, what, step=step):
@@ -180,6 +181,25 @@ class RouterLossParityTest(DistTestBase):
         """Reduced over every rank, vs the single-device loss over the concatenated batch."""
         for layout in ("ep4", "sp2ep2", "etp2"):
             self._parity(layout, True, aux_loss_type="global_batch", z_loss_coeff=Z_COEFF)
+
+    @with_comms
+    def test_global_batch_group_needs_a_dense_mesh_over_every_rank(self):
+        import dataclasses
+
+        from dtensor_moe import MoE, build_moe_meshes, parallelize_moe
+        from tests.test_parallel_moe import Case, make_config
+
+        meshes = build_moe_meshes(dp=2, ep=2, tp=2, device_type="cpu")
+        partial = dataclasses.replace(meshes, dense=meshes.expert["ep", "etp"])  # 2 of 4 ranks
+        moe = MoE(make_config(Case(2, 7, 2, 1), aux_loss_type="global_batch"))
+        with self.assertRaisesRegex(ValueError, r"parallelize_moe: a 'global_batch' balance loss "
+                                    r"reduces over .* has 2 of the 4 ranks; call "
+                                    r"dtensor_moe\.moe\.set_aux_loss_group"):
+            parallelize_moe(moe, partial, sequence_parallel=True)
+        own = dist.new_group(list(range(self.world_size)))
+        set_aux_loss_group(moe, own)  # a group set beforehand is kept
+        parallelize_moe(moe, meshes, sequence_parallel=True)
+        self.assertIs(moe.router.aux_loss_group, own)
 
 
 if __name__ == "__main__":

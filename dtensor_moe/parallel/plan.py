@@ -22,6 +22,7 @@ FSDP2 / DDP.
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -74,6 +75,7 @@ def parallelize_moe(
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError(f"parallelize_moe found no MoE layer in {type(model).__name__}")
+    global_batch_routers = _unset_global_batch_routers(layers, meshes)  # before any collective
     expert_tp = meshes.expert_tp and meshes.tp > 1
     gather = expert_tp and expert_tp_dispatch == "gather"
     for moe in layers:
@@ -88,4 +90,32 @@ def parallelize_moe(
                 routing="replicate" if gather else "split",
             )
             parallelize_module(moe, meshes.dense["tp"], style)
+    for router in global_batch_routers:
+        router.aux_loss_group = dist.group.WORLD
     return model
+
+
+def _unset_global_batch_routers(layers: list[MoE], meshes: MoEMeshes) -> list:
+    """The routers whose ``"global_batch"`` balance loss has no ``aux_loss_group`` yet.
+
+    Note [Global batch under parallelize_moe]: the dense mesh's dp x tp ranks each route
+    different tokens of the global batch, and the meshes of ``build_moe_meshes`` cover every
+    rank, so ``parallelize_moe`` sets those routers' group to ``dist.group.WORLD``: the loss is
+    then the global batch's, as on one device (``set_aux_loss_group`` in ``moe/balance.py``).
+    A group set before ``parallelize_moe`` is kept; ``set_aux_loss_group(model, None)`` after it
+    goes back to each rank's own batch.
+    """
+    routers = [
+        moe.router
+        for moe in layers
+        if moe.router.config.aux_loss_type == "global_batch" and moe.router.aux_loss_group is None
+    ]
+    world = dist.get_world_size()
+    if routers and meshes.dense.size() != world:
+        raise ValueError(
+            f"parallelize_moe: a 'global_batch' balance loss reduces over the ranks that route "
+            f"the global batch, but the dense mesh {meshes.dense} has {meshes.dense.size()} of the "
+            f"{world} ranks; call dtensor_moe.moe.set_aux_loss_group(model, group) with the "
+            "group of its dp x tp ranks before parallelize_moe"
+        )
+    return routers

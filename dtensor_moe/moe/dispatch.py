@@ -317,15 +317,12 @@ class TokenDispatcher:
             if y_TD is not None:
                 return y_TD
             routed_RD, counts_e, metadata = self._dispatch_rows(x_TD, topk_scores_TK, layout)
-        elif self.pad_multiple > 1 and torch.compiler.is_compiling():
-            # the padding reads the counts on the host: one eager island, as for loop/bmm
-            return _padded_steps_eagerly(self, experts, x_TD, topk_scores_TK, topk_ids_TK,
-                                         counts_E)
-        else:
-            routed_RD, counts_e, metadata = self.dispatch(
-                x_TD, topk_scores_TK, topk_ids_TK, counts_E
-            )
-        return self.combine(experts.compute(routed_RD, counts_e), metadata)
+            return self.combine(experts.compute(routed_RD, counts_e), metadata)
+        # the padding reads the counts on the host: one eager island while compiling, as for
+        # the loop/bmm paths
+        padded = self.pad_multiple > 1 and torch.compiler.is_compiling()
+        steps = _plain_steps_eagerly if padded else _plain_steps
+        return steps(self, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
 
     def _check_inputs(
         self,
@@ -357,7 +354,8 @@ class TokenDispatcher:
         )
 
 
-def _padded_steps(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E):
+def _plain_steps(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E):
+    """``combine(experts.compute(*dispatch(...)))`` under plain autograd."""
     routed_RD, counts_e, metadata = dispatcher.dispatch(x_TD, topk_scores_TK, topk_ids_TK,
                                                         counts_E)
     return dispatcher.combine(experts.compute(routed_RD, counts_e), metadata)
@@ -366,8 +364,8 @@ def _padded_steps(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts
 # Under torch.compile, ``pad_multiple > 1`` runs dispatch, experts and combine eagerly: the
 # padded row layout needs the counts as host ints (``_padding_shift``), and tracing that read
 # would break the graph deep inside the dispatch and recompile for new counts.
-_padded_steps_eagerly = torch.compiler.disable(
-    _padded_steps,
+_plain_steps_eagerly = torch.compiler.disable(
+    _plain_steps,
     reason="pad_multiple > 1 lays the routed rows out by counts read on the host, so dispatch, "
     "experts and combine run eagerly: one graph break; pad_multiple=1 keeps them in the graph",
 )

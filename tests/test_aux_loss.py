@@ -347,6 +347,36 @@ class AuxLossEP4Test(DistTestBase):
             close(full(grad), ref_params[name].grad, f"rank {d}: {name}.grad")
 
     @with_comms
+    def test_ep4_second_backward_through_output(self):
+        """As in one process (test_second_backward_through_output), under EP4: the aux loss is
+        in the first loss only; a second backward through ``y`` (``retain_graph``) adds none.
+        Each backward runs the exchange's backward on every rank."""
+        from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
+        from tests.test_parallel_moe import as_param_grad, full, reduce_grad
+
+        meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
+        ref = make()
+        model = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False)
+        gen = torch.Generator().manual_seed(3)
+        X = torch.randn(meshes.dp, 2, 5, D, generator=gen)
+        G = torch.randn(meshes.dp, 2, 5, D, generator=gen)
+        G2 = torch.randn(meshes.dp, 2, 5, D, generator=gen)
+        d = self.rank
+        x, y, aux = forward(model, X[d])
+        ((y * G[d]).sum() + aux).backward(retain_graph=True)
+        (y * G2[d]).sum().backward()
+        for shard in range(meshes.dp):
+            x_ref, y_ref, aux_ref = reference(ref, X[shard])
+            (((y_ref * G[shard]).sum() + aux_ref) / meshes.dp).backward(retain_graph=True)
+            ((y_ref * G2[shard]).sum() / meshes.dp).backward()
+            if shard == d:
+                close(x.grad, x_ref.grad * meshes.dp, f"rank {d}: x.grad")
+        ref_params = dict(ref.named_parameters())
+        for name, param in model.named_parameters():
+            grad = as_param_grad(param, reduce_grad(name, param, meshes))
+            close(full(grad), ref_params[name].grad, f"rank {d}: {name}.grad")
+
+    @with_comms
     def test_token_parallel_forward_follows_the_mode(self):
         """Under SP2 + EP2 (PrepareMoEInput) the layer honours ``aux_loss_mode`` as in one
         process: the default raises without a collector, a collector takes each rank's

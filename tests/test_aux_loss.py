@@ -20,7 +20,6 @@ import copy
 import pytest
 import torch
 import torch._dynamo
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms

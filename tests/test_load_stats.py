@@ -42,6 +42,7 @@ def test_figures_from_hand_set_counters():
         cv=math.sqrt((4 + 0 + 4 + 16 + 4 + 4 + 4 + 4) / 8) / 2.0,
         dead=(0, 4, 5, 7),
         dropped=0,
+        dropped_per_expert=(0,) * 8,
     )
     assert (b.name, b.counts, b.min, b.max, b.mean, b.cv, b.dead) == (
         "b", (3, 3, 3, 3), 3, 3, 3.0, 0.0, ()

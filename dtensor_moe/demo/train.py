@@ -130,7 +130,7 @@ def train(
             update_expert_bias(model, config.bias_rate, process_group=group)
         else:
             for router in _routers(model):
-                router.tokens_per_expert.zero_()
+                router.reset_counters()
         record = StepRecord(
             step=step + 1,
             loss=_global_mean(loss, group),

@@ -259,7 +259,7 @@ def update_expert_bias(
     delta_ME = delta_ME * active_M1 * rate
     for router, delta_E in zip(routers, delta_ME):
         router.expert_bias.add_(delta_E.to(router.expert_bias.dtype))
-        router.tokens_per_expert.zero_()
+        router.reset_counters()
 
 
 def set_aux_loss_group(module: nn.Module, group: dist.ProcessGroup | None) -> None:

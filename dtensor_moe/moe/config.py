@@ -6,20 +6,23 @@ is settled when the layer is built and never changes afterwards.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["AuxLossMode", "AuxLossType", "ComputePath", "MoEConfig", "ScoreFunc"]
+__all__ = ["AuxLossMode", "AuxLossType", "ComputePath", "DropPolicy", "MoEConfig", "ScoreFunc"]
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 ComputePath = Literal["auto", "grouped_mm", "loop", "bmm"]
 AuxLossMode = Literal["collect", "attach"]
 AuxLossType = Literal["sequence", "global_batch"]
+DropPolicy = Literal["probs", "position"]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
 _COMPUTE_PATHS = ("auto", "grouped_mm", "loop", "bmm")
 _AUX_LOSS_MODES = ("collect", "attach")
 _AUX_LOSS_TYPES = ("sequence", "global_batch")
+_DROP_POLICIES = ("probs", "position")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +71,14 @@ class MoEConfig:
             combine), run token gather, experts and combine as one autograd node that saves less
             for backward (``True``), or always the plain path (``False``). Outputs and gradients
             are the same bits either way.
+        capacity_factor: each expert takes at most ``ceil(capacity_factor * T * K / E)``
+            of the (token, expert) pairs of one forward's batch of ``T`` tokens and drops the
+            rest; ``None`` (default): dropless. See Note [Expert capacity] in ``capacity.py``.
+        drop_policy: with ``capacity_factor``, which pairs an over-subscribed expert keeps:
+            ``"probs"`` (its highest combine weights) or ``"position"`` (its earliest tokens).
+        pad_to_capacity: with ``capacity_factor``, pad every expert's row group to exactly the
+            capacity, so that every shape is static (no host read of counts; the sync-free
+            expert-parallel exchange).
         init_std: standard deviation of the normal initialisation of all weights.
     """
 
@@ -93,12 +104,16 @@ class MoEConfig:
     pad_multiple: int = 1
     recompute_experts: bool = False
     fused_routed_step: bool = True
+    capacity_factor: float | None = None
+    drop_policy: DropPolicy = "probs"
+    pad_to_capacity: bool = False
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
         self._check_sizes()
         self._check_routing()
         self._check_groups()
+        self._check_capacity()
 
     @property
     def shared_hidden_total(self) -> int:
@@ -194,4 +209,30 @@ class MoEConfig:
                 f"MoEConfig.top_k={self.top_k} exceeds the {reachable} experts reachable in "
                 f"num_limited_groups={limited} groups of {self.num_experts // groups}; raise "
                 "num_limited_groups or lower top_k"
+            )
+
+    def _check_capacity(self) -> None:
+        factor = self.capacity_factor
+        if factor is not None and (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not math.isfinite(factor)
+            or factor <= 0
+        ):
+            raise ValueError(
+                f"MoEConfig.capacity_factor must be a positive finite number or None "
+                f"(dropless), got {factor!r}"
+            )
+        if self.drop_policy not in _DROP_POLICIES:
+            raise ValueError(
+                f"MoEConfig.drop_policy={self.drop_policy!r} is not one of {_DROP_POLICIES}"
+            )
+        if not isinstance(self.pad_to_capacity, bool):
+            raise TypeError(
+                f"MoEConfig.pad_to_capacity must be a bool, got {self.pad_to_capacity!r}"
+            )
+        if self.pad_to_capacity and factor is None:
+            raise ValueError(
+                "MoEConfig.pad_to_capacity=True needs a capacity; set capacity_factor (for "
+                "example 1.25) or leave pad_to_capacity False"
             )

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from dtensor_moe.moe.capacity import Capacity
+
 __all__ = [
     "DispatchMetadata",
     "ExpertLayout",
@@ -59,6 +61,9 @@ class ExpertLayout:
         row_TK: routed-buffer row of pair ``(t, k)``; the inverse of ``order_N``/``row_N``.
         counts_e: rows per local expert, padding included (int64).
         num_rows: ``R``, the routed-buffer length.
+        void_row: some pairs may be dropped for capacity (Note [Expert capacity] in
+            ``capacity.py``): their ``row_N``/``row_TK`` is ``R``, one past the buffer, a row
+            that reads as zeros and takes no gradient (Note [The void row]).
     """
 
     token_N: torch.Tensor
@@ -67,6 +72,7 @@ class ExpertLayout:
     row_TK: torch.Tensor
     counts_e: torch.Tensor
     num_rows: int
+    void_row: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,10 +83,13 @@ class DispatchMetadata:
         row_TK: routed-buffer row holding the expert output for pair ``(t, k)``.
         scores_TK: combine weights, or ``None`` when the scores were applied before the
             experts (``score_before_experts``).
+        void_row: dropped pairs point at row ``R`` of the expert output, read as zeros (Note
+            [The void row]).
     """
 
     row_TK: torch.Tensor
     scores_TK: torch.Tensor | None
+    void_row: bool = False
 
 
 def _padding_shift(counts_E: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, list[int]]:
@@ -95,12 +104,19 @@ def _padding_shift(counts_E: torch.Tensor, pad_multiple: int) -> tuple[torch.Ten
 
 
 def sort_by_expert(
-    topk_ids_TK: torch.Tensor, counts_E: torch.Tensor, *, pad_multiple: int = 1
+    topk_ids_TK: torch.Tensor,
+    counts_E: torch.Tensor,
+    *,
+    pad_multiple: int = 1,
+    capacity: Capacity | None = None,
 ) -> ExpertLayout:
     """Group the ``T * K`` (token, expert) pairs by expert, stably (token order within a group).
 
     With ``pad_multiple > 1`` each group starts at a multiple of ``pad_multiple`` rows; that
     step reads ``counts_E`` on the host (one device sync).
+
+    With a ``capacity`` (Note [Expert capacity] in ``capacity.py``), ids ``>= counts_E.numel()``
+    mark dropped pairs and ``counts_E`` counts the kept ones; see :func:`_capacity_rows`.
     """
     T, K = topk_ids_TK.shape
     ids_N = topk_ids_TK.reshape(-1)
@@ -108,7 +124,12 @@ def sort_by_expert(
     order_N = torch.argsort(ids_N, stable=True)
     token_N = torch.div(order_N, K, rounding_mode="floor")
     rank_N = torch.arange(N, device=ids_N.device)
-    if pad_multiple == 1:
+    if capacity is not None:
+        row_N, counts_e, num_rows = _capacity_rows(
+            ids_N.index_select(0, order_N), counts_E, capacity, pad_multiple
+        )
+        sorted_rows_N = row_N
+    elif pad_multiple == 1:
         row_N, counts_e, num_rows = None, counts_E, N
         sorted_rows_N = rank_N
     else:
@@ -124,7 +145,56 @@ def sort_by_expert(
         row_TK=row_flat.view(T, K),
         counts_e=counts_e,
         num_rows=num_rows,
+        void_row=capacity is not None,
     )
+
+
+def _capacity_rows(
+    sorted_ids_N: torch.Tensor, counts_E: torch.Tensor, capacity: Capacity, pad_multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(row_N, counts_e, num_rows)`` of the expert-sorted pairs when some may be dropped.
+
+    The kept pairs come first in expert order (a dropped pair's id is past every expert), and
+    a kept pair's row is its group's start plus its place in the group; a dropped pair's row is
+    ``num_rows`` (Note [The void row]). ``capacity.padded``: every group is ``C`` rows, all
+    sizes static. Otherwise the groups hold the kept pairs (padded to ``pad_multiple``), and
+    the buffer length is read on the host.
+    """
+    G = counts_E.numel()
+    N, dev = sorted_ids_N.numel(), sorted_ids_N.device
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    if capacity.padded:
+        C = capacity.per_expert
+        counts_e = torch.full((G,), C, dtype=torch.int64, device=dev)
+        num_rows = G * C
+        group_starts_E = torch.arange(G, device=dev) * C
+    elif pad_multiple == 1:
+        counts_e, num_rows = counts_E, int(counts_E.sum())
+        group_starts_E = starts_E
+    else:
+        shift_E, padded = _padding_shift(counts_E, pad_multiple)
+        counts_e = torch.tensor(padded, dtype=torch.int64, device=dev)
+        num_rows = sum(padded)
+        group_starts_E = starts_E + shift_E
+    g_N = sorted_ids_N.clamp(max=G - 1)
+    in_group_N = torch.arange(N, device=dev) - starts_E.index_select(0, g_N)
+    row_N = group_starts_E.index_select(0, g_N) + in_group_N
+    return row_N.masked_fill_(sorted_ids_N >= G, num_rows), counts_e, num_rows
+
+
+# Note [The void row]
+# ~~~~~~~~~~~~~~~~~~~
+# A pair dropped for capacity keeps its place in ``row_TK`` but names row ``R``, one past the
+# routed buffer. The token gather writes no buffer row for it; the combine reads the expert
+# output with a zero row appended (so the pair adds nothing, and its score's gradient, the dot
+# product with that row, is zero); the gather's backward reads the buffer gradient with a zero
+# row appended (so the token gets no gradient through the pair). One code path for dropped and
+# kept pairs, with static shapes.
+
+
+def _with_void_row(t_RD: torch.Tensor) -> torch.Tensor:
+    """``t_RD`` with a zero row appended: what row ``R`` reads (Note [The void row])."""
+    return torch.cat((t_RD, t_RD.new_zeros(1, t_RD.shape[-1])))
 
 
 class _PermuteTokens(torch.autograd.Function):
@@ -138,20 +208,26 @@ class _PermuteTokens(torch.autograd.Function):
         row_N: torch.Tensor | None,
         num_rows: int,
         row_TK: torch.Tensor,
+        void_row: bool,
     ) -> torch.Tensor:
         rows_ND = x_TD.index_select(0, token_N)
         if row_N is not None:
-            rows_ND = x_TD.new_zeros(num_rows, x_TD.shape[-1]).index_copy_(0, row_N, rows_ND)
+            # dropped pairs all land on the void row, which is cut off (Note [The void row])
+            buffer = x_TD.new_zeros(num_rows + int(void_row), x_TD.shape[-1])
+            rows_ND = buffer.index_copy_(0, row_N, rows_ND)[:num_rows]
         ctx.save_for_backward(row_TK)
+        ctx.void_row = void_row
         return rows_ND
 
     @staticmethod
     def backward(ctx: Any, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (row_TK,) = ctx.saved_tensors
+        if ctx.void_row:
+            grad_RD = _with_void_row(grad_RD)
         grad_TD = grad_RD.index_select(0, row_TK[:, 0])
         for k in range(1, row_TK.shape[1]):
             grad_TD.add_(grad_RD.index_select(0, row_TK[:, k]))
-        return grad_TD, None, None, None, None
+        return grad_TD, None, None, None, None, None
 
 
 def permute_tokens(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
@@ -160,7 +236,9 @@ def permute_tokens(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     The backward gathers the ``K`` row gradients of each token and adds them in ``k`` order
     (see Note [Deterministic combine]); padding rows give no gradient.
     """
-    return _PermuteTokens.apply(x_TD, layout.token_N, layout.row_N, layout.num_rows, layout.row_TK)
+    return _PermuteTokens.apply(
+        x_TD, layout.token_N, layout.row_N, layout.num_rows, layout.row_TK, layout.void_row
+    )
 
 
 def scores_in_rows(scores_TK: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
@@ -168,7 +246,9 @@ def scores_in_rows(scores_TK: torch.Tensor, layout: ExpertLayout) -> torch.Tenso
     scores_N = scores_TK.reshape(-1).index_select(0, layout.order_N)
     if layout.row_N is None:
         return scores_N
-    return scores_N.new_zeros(layout.num_rows).index_copy(0, layout.row_N, scores_N)
+    void = int(layout.void_row)  # Note [The void row]
+    rows = scores_N.new_zeros(layout.num_rows + void).index_copy(0, layout.row_N, scores_N)
+    return rows[: layout.num_rows]
 
 
 class _UnpermuteRows(torch.autograd.Function):
@@ -201,19 +281,24 @@ def unpermute_and_reduce(
     scores_TK: torch.Tensor | None,
     *,
     order_N: torch.Tensor | None = None,
+    void_row: bool = False,
 ) -> torch.Tensor:
     """The shared combine tail: ``y_TD[t] = sum_k scores_TK[t, k] * out_RD[row_TK[t, k]]``.
 
     With ``scores_TK=None`` the ``K`` rows are summed unweighted. Rows not named by ``row_TK``
     (alignment padding) reach neither the output nor the gradients. ``order_N``: the inverse
     of ``row_TK.reshape(-1)`` when that is a permutation of the rows of ``out_RD`` (no padding;
-    ``ExpertLayout.order_N``), which makes the backward a single gather.
+    ``ExpertLayout.order_N``), which makes the backward a single gather. ``void_row``:
+    ``row_TK`` may name row ``R``, which reads as zeros (pairs dropped for capacity; Note
+    [The void row]).
 
     The result is never a view: FSDP2 warns about a wrapped module (the experts) that returns
     one, since an in-place op on it would skip FSDP's pre-backward hook. Making the ``bmm``
     result a fresh tensor costs a copy of ``T x D`` values, under 1% of the combine.
     """
     T, K = row_TK.shape
+    if void_row:
+        out_RD = _with_void_row(out_RD)
     out_TKD = _UnpermuteRows.apply(out_RD, row_TK.reshape(-1), order_N)
     out_TKD = out_TKD.view(T, K, out_RD.shape[-1])
     if scores_TK is None:
@@ -254,15 +339,21 @@ class TokenDispatcher:
         topk_scores_TK: torch.Tensor,
         topk_ids_TK: torch.Tensor,
         counts_E: torch.Tensor,
+        capacity: Capacity | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchMetadata]:
         """Group tokens by expert.
+
+        ``capacity``: some pairs may be dropped (id ``E``; Note [Expert capacity] in
+        ``capacity.py``), and ``counts_E`` counts the kept ones.
 
         Returns:
             ``(routed_RD, counts_e, metadata)``: the routed buffer, its rows per local expert
             (int64, padding included, summing to ``R``), and what :meth:`combine` needs.
         """
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
-        layout = sort_by_expert(topk_ids_TK, counts_E, pad_multiple=self.pad_multiple)
+        layout = sort_by_expert(
+            topk_ids_TK, counts_E, pad_multiple=self.pad_multiple, capacity=capacity
+        )
         return self._dispatch_rows(x_TD, topk_scores_TK, layout)
 
     def _dispatch_rows(
@@ -277,12 +368,16 @@ class TokenDispatcher:
         return (
             routed_RD,
             layout.counts_e,
-            DispatchMetadata(row_TK=layout.row_TK, scores_TK=scores_TK),
+            DispatchMetadata(
+                row_TK=layout.row_TK, scores_TK=scores_TK, void_row=layout.void_row
+            ),
         )
 
     def combine(self, out_RD: torch.Tensor, metadata: DispatchMetadata) -> torch.Tensor:
         """Weight and sum each token's expert outputs back into ``y_TD`` (token order)."""
-        return unpermute_and_reduce(out_RD, metadata.row_TK, metadata.scores_TK)
+        return unpermute_and_reduce(
+            out_RD, metadata.row_TK, metadata.scores_TK, void_row=metadata.void_row
+        )
 
     def run_experts(
         self,
@@ -291,6 +386,7 @@ class TokenDispatcher:
         topk_scores_TK: torch.Tensor,
         topk_ids_TK: torch.Tensor,
         counts_E: torch.Tensor,
+        capacity: Capacity | None = None,
     ) -> torch.Tensor:
         """``combine(experts.compute(*dispatch(...)))``: what ``GroupedExperts.forward`` runs.
 
@@ -301,11 +397,13 @@ class TokenDispatcher:
         The local dispatcher (this class's own ``dispatch`` and ``combine``, no padding, scores
         in combine) hands the three steps to ``experts.routed_step`` when the experts offer
         it: one autograd node that saves less for backward (Note [What the experts save for
-        backward] in ``experts.py``); it returns ``None`` where it does not apply.
+        backward] in ``experts.py``); it returns ``None`` where it does not apply. A
+        ``capacity`` (Note [Expert capacity] in ``capacity.py``) takes the plain steps.
         """
         routed_step = getattr(experts, "routed_step", None)
         if (
             routed_step is not None
+            and capacity is None
             and type(self).dispatch is TokenDispatcher.dispatch
             and type(self).combine is TokenDispatcher.combine
             and self.pad_multiple == 1
@@ -318,11 +416,11 @@ class TokenDispatcher:
                 return y_TD
             routed_RD, counts_e, metadata = self._dispatch_rows(x_TD, topk_scores_TK, layout)
             return self.combine(experts.compute(routed_RD, counts_e), metadata)
-        # the padding reads the counts on the host: one eager island while compiling, as for
-        # the loop/bmm paths
-        padded = self.pad_multiple > 1 and torch.compiler.is_compiling()
-        steps = _plain_steps_eagerly if padded else _plain_steps
-        return steps(self, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        # the padding, and a capacity without pad_to_capacity, read the counts on the host:
+        # one eager island while compiling, as for the loop/bmm paths
+        host_read = self.pad_multiple > 1 if capacity is None else not capacity.padded
+        steps = _plain_steps_eagerly if host_read and torch.compiler.is_compiling() else _plain_steps
+        return steps(self, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
 
     def _check_inputs(
         self,
@@ -354,10 +452,11 @@ class TokenDispatcher:
         )
 
 
-def _plain_steps(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E):
+def _plain_steps(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity):
     """``combine(experts.compute(*dispatch(...)))`` under plain autograd."""
-    routed_RD, counts_e, metadata = dispatcher.dispatch(x_TD, topk_scores_TK, topk_ids_TK,
-                                                        counts_E)
+    routed_RD, counts_e, metadata = dispatcher.dispatch(
+        x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity
+    )
     return dispatcher.combine(experts.compute(routed_RD, counts_e), metadata)
 
 
@@ -366,6 +465,7 @@ def _plain_steps(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_
 # would break the graph deep inside the dispatch and recompile for new counts.
 _plain_steps_eagerly = torch.compiler.disable(
     _plain_steps,
-    reason="pad_multiple > 1 lays the routed rows out by counts read on the host, so dispatch, "
-    "experts and combine run eagerly: one graph break; pad_multiple=1 keeps them in the graph",
+    reason="pad_multiple > 1, or capacity_factor without pad_to_capacity, lays the routed rows "
+    "out by counts read on the host, so dispatch, experts and combine run eagerly: one graph "
+    "break; pad_multiple=1 (dropless) or pad_to_capacity=True keeps them in the graph",
 )

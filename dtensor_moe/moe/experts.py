@@ -79,6 +79,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from dtensor_moe import _compat
+from dtensor_moe.moe.capacity import Capacity
 from dtensor_moe.moe.config import ComputePath
 from dtensor_moe.moe.dispatch import ExpertLayout, TokenDispatcher
 
@@ -499,8 +500,12 @@ class GroupedExperts(nn.Module):
         topk_scores_TK: torch.Tensor,
         topk_ids_TK: torch.Tensor,
         counts_E: torch.Tensor,
+        capacity: Capacity | None = None,
     ) -> torch.Tensor:
-        return self.dispatcher.run_experts(self, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+        args = () if capacity is None else (capacity,)
+        return self.dispatcher.run_experts(
+            self, x_TD, topk_scores_TK, topk_ids_TK, counts_E, *args
+        )
 
     def compute(self, routed_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """Expert math on the routed buffer; see Note [Grouped experts on local weights].

@@ -120,7 +120,10 @@ class MoE(nn.Module):
         routing = self.router(x, tokens=tokens, count=False)
         x_TD = tokens.local(x).reshape(-1, D)
         del x  # only plain tensors cross the experts (see above)
-        y_TD = self.experts(x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
+        capacity = {} if routing.capacity is None else {"capacity": routing.capacity}
+        y_TD = self.experts(
+            x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E, **capacity
+        )
         if isinstance(y_TD, DTensor):  # expert TP with gathered tokens: Partial on the etp mesh
             y_TD = y_TD.to_local()
         if shared_TD is not None:
@@ -129,7 +132,12 @@ class MoE(nn.Module):
             y_TD = attach_aux_loss(y_TD, routing.aux_loss, mode=self.config.aux_loss_mode)
         y = tokens.output(y_TD)
         if self.router.training:  # last, and from this frame: Note [MoE under torch.compile]
-            count_unless_recompute(self.router.tokens_per_expert, routing.count_E)
+            count_unless_recompute(
+                self.router.tokens_per_expert,
+                routing.count_E,
+                self.router.dropped_per_expert,
+                routing.dropped_E,
+            )
         return y
 
     def _check_input(self, x: torch.Tensor) -> None:

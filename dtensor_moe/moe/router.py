@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor_moe import _compat
+from dtensor_moe.moe.capacity import Capacity, capacity_keep, expert_capacity
 from dtensor_moe.moe.config import MoEConfig
 from dtensor_moe.moe.losses import (
     aux_loss_from_sums,
@@ -47,9 +48,10 @@ class RouterOutput:
 
     Attributes:
         topk_scores_TK: combine weights of the selected experts, in the input dtype.
-        topk_ids_TK: selected expert ids (int64), in ``[0, E)``.
+        topk_ids_TK: selected expert ids (int64), in ``[0, E)``; ``E`` for a pair dropped for
+            capacity (Note [Expert capacity] in ``capacity.py``).
         counts_E: tokens this forward sent to each expert (int64), all routed tokens: what
-            the dispatcher sends.
+            the dispatcher sends (the kept pairs, with a capacity).
         count_E: the part of ``counts_E`` that this rank adds to ``tokens_per_expert``: the
             same, except under ``PrepareMoEInput(routing="replicate")``, where the tp ranks
             route the same tokens and each counts its own slice (Note [Global router
@@ -61,6 +63,10 @@ class RouterOutput:
             shares] in ``losses.py``). The layer hands it to
             :func:`~dtensor_moe.moe.balance.attach_aux_loss`, which collects or attaches it
             (Note [Auxiliary loss follows the loss] in ``balance.py``).
+        capacity: the capacity of this forward, handed to the dispatcher; ``None`` (dropless)
+            without ``capacity_factor``.
+        dropped_E: the pairs of ``count_E``'s tokens dropped for capacity, per expert (what
+            this rank adds to ``dropped_per_expert``); ``None`` without ``capacity_factor``.
     """
 
     topk_scores_TK: torch.Tensor
@@ -68,6 +74,8 @@ class RouterOutput:
     counts_E: torch.Tensor
     count_E: torch.Tensor
     aux_loss: torch.Tensor | None
+    capacity: Capacity | None = None
+    dropped_E: torch.Tensor | None = None
 
 
 def expert_counts(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -82,6 +90,14 @@ def expert_counts(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
 
 
+def _counts_below(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """:func:`expert_counts` that leaves out ids ``>= num_experts`` (pairs dropped for
+    capacity, or the kept pairs when counting the dropped ones)."""
+    ids_N = ids.reshape(-1).clamp(max=num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids_N.device)
+    return counts.scatter_add_(0, ids_N, torch.ones_like(ids_N))[:num_experts]
+
+
 _COUNT_REASON = (
     "dtensor_moe updates the router's tokens_per_expert counter eagerly, outside the graph, "
     "because only at run time is it known whether a forward is an activation-checkpoint "
@@ -91,14 +107,22 @@ _COUNT_REASON = (
 )
 
 
-def count_unless_recompute(tokens_per_expert: torch.Tensor, counts_E: torch.Tensor) -> None:
-    """``tokens_per_expert += counts_E`` unless this runs inside a backward pass (recompute).
+def count_unless_recompute(
+    tokens_per_expert: torch.Tensor,
+    counts_E: torch.Tensor,
+    dropped_per_expert: torch.Tensor | None = None,
+    dropped_E: torch.Tensor | None = None,
+) -> None:
+    """``tokens_per_expert += counts_E`` (and ``dropped_per_expert += dropped_E`` when given)
+    unless this runs inside a backward pass (recompute).
 
     Run eagerly under ``torch.compile`` (one graph break); see ``_COUNT_REASON``.
     """
     if not _in_backward_pass():
         with torch.no_grad():
             tokens_per_expert.add_(counts_E)
+            if dropped_per_expert is not None and dropped_E is not None:
+                dropped_per_expert.add_(dropped_E)
 
 
 count_unless_recompute = torch.compiler.disable(count_unless_recompute, reason=_COUNT_REASON)
@@ -166,6 +190,8 @@ class TokenChoiceTopKRouter(nn.Module):
         ``tokens_per_expert`` (E, int64, not persistent): tokens routed to each expert since
         the last :func:`~dtensor_moe.moe.update_expert_bias`, counted in training mode and not
         again during activation-checkpoint recompute.
+        ``dropped_per_expert`` (E, int64, not persistent; only with ``capacity_factor``): the
+        part of ``tokens_per_expert`` that the experts dropped for capacity, counted alike.
 
     The logits are computed in the gate weight's dtype (the input is cast to it): a float32 gate
     in a bf16 model routes in float32, as DeepSeek-V3's router does.
@@ -191,6 +217,8 @@ class TokenChoiceTopKRouter(nn.Module):
         self.register_buffer("expert_bias", bias, persistent=True)
         counts = torch.zeros(config.num_experts, dtype=torch.int64)
         self.register_buffer("tokens_per_expert", counts, persistent=False)
+        dropped = None if config.capacity_factor is None else torch.zeros_like(counts)
+        self.register_buffer("dropped_per_expert", dropped, persistent=False)
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.aux_loss_group: object | None = None
@@ -244,15 +272,54 @@ class TokenChoiceTopKRouter(nn.Module):
             count_E = expert_counts(topk_ids_TK[tokens.owned], cfg.num_experts)
         loss_tokens = tokens.loss_tokens(logits_TE.shape[0], logits_TE.device)
         aux_loss = router_losses(self, logits_TE, scores_TE, topk_ids_TK, loss_tokens)
+        capacity = dropped_E = None
+        if cfg.capacity_factor is not None:
+            capacity, keep_TK = self.capacity_keep(topk_ids_TK, topk_scores_TK, tokens)
+            owned = slice(None) if tokens.owned is None else tokens.owned
+            dropped_TK = topk_ids_TK[owned].masked_fill(keep_TK[owned], cfg.num_experts)
+            dropped_E = _counts_below(dropped_TK, cfg.num_experts)
+            topk_ids_TK = topk_ids_TK.masked_fill(~keep_TK, cfg.num_experts)
+            counts_E = _counts_below(topk_ids_TK, cfg.num_experts)
         if count:
-            self.count_tokens(count_E)
+            self.count_tokens(count_E, dropped_E)
         return RouterOutput(
             topk_scores_TK=topk_scores_TK.to(x_TD.dtype),
             topk_ids_TK=topk_ids_TK,
             counts_E=counts_E,
             count_E=count_E,
             aux_loss=aux_loss,
+            capacity=capacity,
+            dropped_E=dropped_E,
         )
+
+    def capacity_keep(
+        self, topk_ids_TK: torch.Tensor, topk_scores_TK: torch.Tensor, tokens: RoutedTokens
+    ) -> tuple[Capacity, torch.Tensor]:
+        """The capacity of this forward and which of this rank's pairs are kept (bool
+        ``(T, K)``): the single-device rule on the whole batch (Note [Expert capacity] in
+        ``capacity.py``). One all-gather of the routing table on the tp mesh when the batch's
+        tokens are split over it; none otherwise."""
+        cfg = self.config
+        multiple = cfg.pad_multiple if cfg.pad_to_capacity else 1
+        capacity = Capacity(
+            per_expert=expert_capacity(
+                tokens.num_sequences * tokens.seq_len,
+                top_k=cfg.top_k,
+                num_experts=cfg.num_experts,
+                factor=cfg.capacity_factor,
+                multiple=multiple,
+            ),
+            padded=cfg.pad_to_capacity,
+        )
+        ids_bK, scores_bK, mine = tokens.batch_table(topk_ids_TK, topk_scores_TK)
+        keep_bK = capacity_keep(
+            ids_bK,
+            scores_bK,
+            capacity=capacity.per_expert,
+            num_experts=cfg.num_experts,
+            policy=cfg.drop_policy,
+        )
+        return capacity, keep_bK if mine is None else keep_bK.index_select(0, mine)
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """``softmax`` or ``sigmoid`` of the gate logits, in float32."""
@@ -287,7 +354,14 @@ class TokenChoiceTopKRouter(nn.Module):
             return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
         return scores_TE
 
-    def count_tokens(self, counts_E: torch.Tensor) -> None:
+    def reset_counters(self) -> None:
+        """Zero ``tokens_per_expert`` (and ``dropped_per_expert``): a new counting window."""
+        with torch.no_grad():
+            self.tokens_per_expert.zero_()
+            if self.dropped_per_expert is not None:
+                self.dropped_per_expert.zero_()
+
+    def count_tokens(self, counts_E: torch.Tensor, dropped_E: torch.Tensor | None = None) -> None:
         """Add ``counts_E`` to ``tokens_per_expert`` in training mode, except during recompute.
 
         See Note [Counting under activation checkpointing]. Under ``torch.compile`` this is the
@@ -296,7 +370,9 @@ class TokenChoiceTopKRouter(nn.Module):
         runs, so the update runs eagerly, outside the graph.
         """
         if self.training:
-            count_unless_recompute(self.tokens_per_expert, counts_E)
+            count_unless_recompute(
+                self.tokens_per_expert, counts_E, self.dropped_per_expert, dropped_E
+            )
 
     def _check_input(self, x_TD: torch.Tensor, num_sequences: int) -> None:
         if x_TD.dim() != 2 or x_TD.shape[-1] != self.config.dim:
@@ -316,4 +392,6 @@ class TokenChoiceTopKRouter(nn.Module):
             f"num_experts={cfg.num_experts}, top_k={cfg.top_k}, score_func={cfg.score_func!r}, "
             f"expert_bias={cfg.use_expert_bias}, aux_loss_coeff={cfg.aux_loss_coeff}, "
             f"aux_loss_type={cfg.aux_loss_type!r}, z_loss_coeff={cfg.z_loss_coeff}"
+            + ("" if cfg.capacity_factor is None else f", capacity_factor={cfg.capacity_factor}, "
+               f"drop_policy={cfg.drop_policy!r}, pad_to_capacity={cfg.pad_to_capacity}")
         )

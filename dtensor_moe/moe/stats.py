@@ -41,9 +41,9 @@ class LayerLoad:
         cv: coefficient of variation, ``std / mean`` with the population std (0: perfectly
             balanced); ``nan`` when no token was counted.
         dead: experts that received no token.
-        dropped: tokens dropped for lack of expert capacity. Always 0: routing is dropless
-            (every selected (token, expert) pair is computed), so nothing is dropped; the field
-            is here so that a capacity factor can report into it.
+        dropped: (token, expert) pairs that the experts dropped for lack of capacity (part of
+            ``total``; 0 without ``MoEConfig.capacity_factor``: routing is dropless).
+        dropped_per_expert: ``dropped`` per expert (all 0 without a capacity factor).
     """
 
     name: str
@@ -55,10 +55,13 @@ class LayerLoad:
     cv: float
     dead: tuple[int, ...]
     dropped: int = 0
+    dropped_per_expert: tuple[int, ...] = ()
 
     @classmethod
-    def from_counts(cls, name: str, counts: list[int]) -> LayerLoad:
-        """The figures of one counter (plain ints: exact)."""
+    def from_counts(cls, name: str, counts: list[int], dropped: list[int] | None = None) -> LayerLoad:
+        """The figures of one counter (plain ints: exact); ``dropped``: the dropped pairs per
+        expert (none when ``None``)."""
+        dropped = [0] * len(counts) if dropped is None else dropped
         E, total = len(counts), sum(counts)
         mean = total / E
         if total == 0:
@@ -74,6 +77,8 @@ class LayerLoad:
             mean=mean,
             cv=cv,
             dead=tuple(e for e, c in enumerate(counts) if c == 0),
+            dropped=sum(dropped),
+            dropped_per_expert=tuple(dropped),
         )
 
     def line(self) -> str:
@@ -125,8 +130,9 @@ def load_stats(
         reset: zero the counters afterwards (what :func:`~dtensor_moe.moe.update_expert_bias`
             also does). Leave it ``False`` when the expert bias is updated from them.
 
-    Collectives: one ``all_reduce`` of the ``M * E`` int64 counts (every layer at once) when
-    a group applies; nothing runs during the forward. Call it on every rank of the group.
+    Collectives: one ``all_reduce`` of the ``2 * M * E`` int64 counts (routed and dropped,
+    every layer at once) when a group applies; nothing runs during the forward. Call it on
+    every rank of the group.
 
     Raises:
         ValueError: when ``model`` holds no router, or ``process_group`` is another string.
@@ -138,17 +144,25 @@ def load_stats(
             f"load_stats found no TokenChoiceTopKRouter in {type(model).__name__}; pass the "
             "model that holds the MoE layers"
         )
-    # every layer's counter in one flat int64 tensor (layers may differ in E): one collective
-    counts_N = torch.cat([r.tokens_per_expert.detach().reshape(-1) for _, r in named]).clone()
+    # every layer's counters (routed, then dropped) in one flat int64 tensor (layers may
+    # differ in E): one collective
+    counts_N = torch.cat([_counters(r) for _, r in named]).clone()
     if group is not None:
         dist.all_reduce(counts_N, group=group)
     if reset:
-        with torch.no_grad():
-            for _, router in named:
-                router.tokens_per_expert.zero_()
+        for _, router in named:
+            router.reset_counters()
     flat, sizes = counts_N.tolist(), [r.tokens_per_expert.numel() for _, r in named]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts = [2 * sum(sizes[:i]) for i in range(len(sizes))]
     return [
-        LayerLoad.from_counts(name, flat[start : start + size])
+        LayerLoad.from_counts(name, flat[start : start + size],
+                              flat[start + size : start + 2 * size])
         for (name, _), start, size in zip(named, starts, sizes, strict=True)
     ]
+
+
+def _counters(router: TokenChoiceTopKRouter) -> torch.Tensor:
+    """``tokens_per_expert`` then ``dropped_per_expert`` (zeros without a capacity), flat."""
+    routed = router.tokens_per_expert.detach().reshape(-1)
+    dropped = router.dropped_per_expert
+    return torch.cat((routed, torch.zeros_like(routed) if dropped is None else dropped))

@@ -69,6 +69,14 @@ class RoutedTokens:
         """The routed tokens for the router losses (Note [Router loss shares])."""
         return LossTokens.whole(num_tokens, self.num_sequences, device)
 
+    def batch_table(
+        self, ids_TK: torch.Tensor, scores_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The routing table of the whole batch, in global token order, and the rows of it that
+        are this rank's tokens (``None``: all of them, in order). Here the rank routes the
+        whole batch: no collective. See Note [Expert capacity] in ``capacity.py``."""
+        return ids_TK, scores_TK, None
+
     def output(self, y_TD: torch.Tensor) -> torch.Tensor:
         """The routed region's ``(T, D)`` output in the layer's output layout."""
         return y_TD.view(self.local_shape)

@@ -107,6 +107,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
+from dtensor_moe.moe.capacity import Capacity
 from dtensor_moe.moe.dispatch import (
     DispatchMetadata,
     TokenDispatcher,
@@ -130,12 +131,14 @@ class AllToAllMetadata(DispatchMetadata):
         scores_TK: combine weights, or ``None`` (``score_before_experts``).
         input_splits: rows sent to each EP rank.
         output_splits: rows received from each EP rank.
-        received_row_M1: routed-buffer row of each received row, shape ``(M, 1)``.
+        received_row_M1: routed-buffer row of each received row, shape ``(M, 1)``; ``None``
+            for the static exchange at capacity (Note [Static exchange at capacity]), whose
+            received rows are ``(P, e, C)`` blocks.
     """
 
     input_splits: tuple[int, ...]
     output_splits: tuple[int, ...]
-    received_row_M1: torch.Tensor
+    received_row_M1: torch.Tensor | None
 
 
 def replicate_over_etp(
@@ -446,14 +449,43 @@ _EAGER_REASON = (
 )
 
 
-def _eager_run_experts(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E):
-    y_TD = dispatcher.run_experts(experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+def _check_equal_capacity(capacities: list[int], mesh: DeviceMesh, ranks: tuple[int, ...]) -> None:
+    """Note [Static exchange at capacity]: the ranks of ``mesh`` must agree on the capacity
+    (``-1``: not padded to capacity); ``capacities`` is the all-gathered list, the same on every
+    rank, so every rank raises alike."""
+    if len(set(capacities)) <= 1:
+        return
+    per_rank = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, capacities, strict=True))
+    raise ValueError(
+        f"pad_to_capacity under expert parallelism over {mesh} needs the same expert capacity "
+        f"on every rank, got {per_rank} (-1: no pad_to_capacity). The capacity follows the "
+        "number of tokens a forward routes, so give every rank the same batch shape (B, L), "
+        "or set pad_to_capacity=False (the exchange then reads its sizes on the host)"
+    )
+
+
+def _eager_run_experts(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E,
+                       capacity=None):
+    y_TD = dispatcher.run_experts(experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
     # A DTensor leaving the island would reach AOT autograd as an output whose tangent it
     # cannot match; the Partial wrapper (expert TP with gathered tokens) is re-made outside.
     return y_TD.to_local() if isinstance(y_TD, DTensor) else y_TD
 
 
 _eager_run_experts = torch.compiler.disable(_eager_run_experts, reason=_EAGER_REASON)
+
+
+# Note [Static exchange at capacity]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With ``pad_to_capacity`` (Note [Expert capacity] in ``dtensor_moe/moe/capacity.py``) every
+# destination ``q * e + j`` gets exactly ``C`` rows, its kept pairs followed by zero rows. So
+# every rank sends ``e * C`` rows to every rank and receives as many: the exchange sizes are
+# known before the step, and the dispatch needs neither the count exchange nor a host read (the
+# sync-free path). The received rows are ``(P, e, C)`` blocks (source rank, local expert,
+# slot); a transpose groups them by local expert, ``P * C`` rows each, and combine undoes it
+# before the exchange back. Collectives: forward ``all_to_all_single`` x 2 (tokens, outputs),
+# backward x 2. It needs the same ``C``, so the same batch shape, on every rank of the mesh:
+# checked with the identical-tokens check (Note [Ranks with identical tokens]).
 
 
 class AllToAllTokenDispatcher(TokenDispatcher):
@@ -539,10 +571,12 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         """Ranks that hold different experts: the mesh size over ``replicas``."""
         return 1 if self.mesh is None else self.mesh.size() // self.replicas
 
-    def _check_distinct_tokens(self, x_TD: torch.Tensor) -> None:
+    def _check_distinct_tokens(self, x_TD: torch.Tensor, capacity: Capacity | None = None) -> None:
         """Note [Ranks with identical tokens]: raise on every rank if two ranks of the mesh
-        route the same tokens. Runs on the first forward with gradients enabled, and on every
-        one under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: one all-gather of two numbers."""
+        route the same tokens (or, with ``pad_to_capacity``, have different capacities: Note
+        [Static exchange at capacity]). Runs on the first forward with gradients enabled, and
+        on every one under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: one all-gather of three
+        numbers."""
         detail = dist.get_debug_level() == dist.DebugLevel.DETAIL
         if (self.tokens_checked and not detail) or not torch.is_grad_enabled():
             return
@@ -551,11 +585,14 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         # coincidence of measure zero. Ranks without tokens, or with all-zero tokens, prove
         # nothing and are left out.
         weights = torch.cos(torch.arange(x.numel(), device=x.device, dtype=torch.float64))
-        mine = torch.stack((torch.tensor(float(x_TD.shape[0]), device=x.device,
-                                         dtype=torch.float64), (x * weights).sum()))
-        gathered = funcol.all_gather_single(mine, 0, self.mesh).view(-1, 2).tolist()
+        static_c = capacity.per_expert if capacity is not None and capacity.padded else -1
+        mine = torch.tensor([float(x_TD.shape[0]), 0.0, float(static_c)], dtype=torch.float64,
+                            device=x.device)
+        mine[1] = (x * weights).sum()
+        gathered = funcol.all_gather_single(mine, 0, self.mesh).view(-1, 3).tolist()
+        _check_equal_capacity([int(c) for _, _, c in gathered], self.mesh, self.ranks)
         seen: dict[tuple[float, float], int] = {}
-        for position, (tokens, checksum) in enumerate(gathered):
+        for position, (tokens, checksum, _) in enumerate(gathered):
             if tokens == 0 or checksum == 0:
                 continue
             first = seen.setdefault((tokens, checksum), position)
@@ -577,21 +614,27 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         topk_scores_TK: torch.Tensor,
         topk_ids_TK: torch.Tensor,
         counts_E: torch.Tensor,
+        capacity: Capacity | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchMetadata]:
-        """Send each (token, expert) row to the ranks holding the expert; see the module Note."""
+        """Send each (token, expert) row to the ranks holding the expert; see the module Note.
+
+        With a ``capacity`` (Note [Expert capacity] in ``dtensor_moe/moe/capacity.py``), the
+        dropped pairs are not sent; with ``pad_to_capacity`` the exchange is static (Note
+        [Static exchange at capacity])."""
         if self.mesh is None:
-            return super().dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+            return super().dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
-        self._check_distinct_tokens(x_TD)
-        P, e = self.mesh.size(), self.num_experts // self.ep_size
+        self._check_distinct_tokens(x_TD, capacity)
         ids_TX, scores_TX, counts_X = self._destinations(topk_scores_TK, topk_ids_TK, counts_E)
+        if capacity is not None and capacity.padded:
+            return self._dispatch_static(x_TD, ids_TX, scores_TX, counts_X, capacity)
+        P, e = self.mesh.size(), self.num_experts // self.ep_size
         # The count exchange runs while this rank sorts and gathers its rows.
         counts_in = funcol.all_to_all_single(counts_X, None, None, self.mesh)
-        layout = sort_by_expert(ids_TX, counts_X)
-        sent_ND = permute_tokens(x_TD, layout)
-        if self.score_before_experts:
-            sent_ND = sent_ND * scores_in_rows(scores_TX, layout).unsqueeze(-1)
-            scores_TX = None
+        # the send side is never padded; dropped pairs are left out (Note [The void row])
+        send_capacity = None if capacity is None else Capacity(per_expert=0, padded=False)
+        layout = sort_by_expert(ids_TX, counts_X, capacity=send_capacity)
+        sent_ND, scores_TX = self._send_rows(x_TD, scores_TX, layout)
         counts_Pe = funcol.wait_tensor(counts_in).view(P, e)
         input_splits = counts_X.view(P, e).sum(1).tolist()
         output_splits = counts_Pe.sum(1).tolist()
@@ -608,11 +651,49 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         metadata = AllToAllMetadata(
             row_TK=layout.row_TK,
             scores_TK=scores_TX,
+            void_row=layout.void_row,
             input_splits=tuple(input_splits),
             output_splits=tuple(output_splits),
             received_row_M1=local.row_TK,
         )
         return permute_tokens(received_MD, local), local.counts_e, metadata
+
+    def _send_rows(
+        self, x_TD: torch.Tensor, scores_TX: torch.Tensor, layout: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows to send in ``layout``'s order, scaled by their score with
+        ``score_before_experts`` (then the combine weights are ``None``)."""
+        sent_ND = permute_tokens(x_TD, layout)
+        if not self.score_before_experts:
+            return sent_ND, scores_TX
+        return sent_ND * scores_in_rows(scores_TX, layout).unsqueeze(-1), None
+
+    def _dispatch_static(
+        self,
+        x_TD: torch.Tensor,
+        ids_TX: torch.Tensor,
+        scores_TX: torch.Tensor,
+        counts_X: torch.Tensor,
+        capacity: Capacity,
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchMetadata]:
+        """Note [Static exchange at capacity]: ``C`` rows per destination expert, equal
+        splits, no count exchange and no host read."""
+        P, e, C = self.mesh.size(), self.num_experts // self.ep_size, capacity.per_expert
+        layout = sort_by_expert(ids_TX, counts_X, capacity=capacity)
+        sent_ND, scores_TX = self._send_rows(x_TD, scores_TX, layout)
+        splits = [e * C] * P
+        received_MD = funcol.all_to_all_single_autograd(sent_ND, splits, splits, self.mesh)
+        routed_RD = received_MD.view(P, e, C, -1).transpose(0, 1).reshape(P * e * C, -1)
+        metadata = AllToAllMetadata(
+            row_TK=layout.row_TK,
+            scores_TK=scores_TX,
+            void_row=True,
+            input_splits=tuple(splits),
+            output_splits=tuple(splits),
+            received_row_M1=None,
+        )
+        counts_e = torch.full((e,), P * C, dtype=torch.int64, device=x_TD.device)
+        return routed_RD, counts_e, metadata
 
     def run_experts(
         self,
@@ -621,19 +702,24 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         topk_scores_TK: torch.Tensor,
         topk_ids_TK: torch.Tensor,
         counts_E: torch.Tensor,
+        capacity: Capacity | None = None,
     ) -> torch.Tensor:
         """Dispatch, expert math and combine, with both exchanges overlapped with local rows.
 
         See Note [Overlapped all-to-all]. Falls back to ``dispatch`` / ``compute`` /
         ``combine`` without a mesh, with ``overlap=False``, with ``pad_multiple > 1``, with
-        ``score_before_experts``, and when the experts do not run on the ``grouped_mm`` path.
+        ``score_before_experts``, with a ``capacity``, and when the experts do not run on the
+        ``grouped_mm`` path.
         """
         if self.mesh is not None and torch.compiler.is_compiling():
             # Note [Expert parallelism under torch.compile]
-            y_TD = _eager_run_experts(self, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+            y_TD = _eager_run_experts(
+                self, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity
+            )
             return self._finish(y_TD)
         plain = (
             self.mesh is None
+            or capacity is not None
             or not self.overlap
             or self.pad_multiple != 1
             or self.score_before_experts
@@ -641,7 +727,9 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         )
         weights = None if plain else experts.local_weights()
         if weights is None or not _grouped_mm_supported(x_TD, weights[0]):
-            return super().run_experts(experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E)
+            return super().run_experts(
+                experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity
+            )
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         self._check_distinct_tokens(x_TD)
         ids_TX, scores_TX, counts_X = self._destinations(topk_scores_TK, topk_ids_TK, counts_E)
@@ -682,14 +770,21 @@ class AllToAllTokenDispatcher(TokenDispatcher):
                     f"dispatcher's dispatch returned, got {type(metadata).__name__}; pass the "
                     "metadata of the matching dispatch call (not that of another dispatcher)"
                 )
-            received_MD = unpermute_and_reduce(out_RD, metadata.received_row_M1, None)
+            if metadata.received_row_M1 is None:  # Note [Static exchange at capacity]
+                P, e = self.mesh.size(), self.num_experts // self.ep_size
+                received_MD = out_RD.view(e, P, -1, out_RD.shape[-1]).transpose(0, 1)
+                received_MD = received_MD.reshape(out_RD.shape)
+            else:
+                received_MD = unpermute_and_reduce(out_RD, metadata.received_row_M1, None)
             returned_ND = funcol.all_to_all_single_autograd(
                 received_MD,
                 list(metadata.input_splits),
                 list(metadata.output_splits),
                 self.mesh,
             )
-            y_TD = unpermute_and_reduce(returned_ND, metadata.row_TK, metadata.scores_TK)
+            y_TD = unpermute_and_reduce(
+                returned_ND, metadata.row_TK, metadata.scores_TK, void_row=metadata.void_row
+            )
         return self._finish(y_TD)
 
     def __repr__(self) -> str:

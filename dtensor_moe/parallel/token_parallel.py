@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
@@ -112,6 +113,9 @@ class TokenSplit(RoutedTokens):
         flat_rows: this rank's rows of the flattened ``B * L`` tokens when it routes a ``1/tp``
             slice of them (``"split"`` routing of a replicated input or a short sequence),
             else ``None``.
+        split_meta: how the batch's tokens are split over the tp mesh under ``"split"``
+            routing (``None`` under ``"replicate"``: every rank routes all of them).
+        rank: this rank's position on the tp mesh.
     """
 
     mesh: DeviceMesh
@@ -121,6 +125,8 @@ class TokenSplit(RoutedTokens):
     shard_group: DeviceMesh | None
     local_output: bool
     flat_rows: slice | None
+    split_meta: TokenShardMeta | None
+    rank: int
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, DTensor):
@@ -139,6 +145,28 @@ class TokenSplit(RoutedTokens):
             )
         grad_placements = tuple(region_grad_placements(t.placements, self.region_output))
         return _compat.local_views((t,), (grad_placements,))[0]
+
+    def batch_table(
+        self, ids_TK: torch.Tensor, scores_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The whole batch's routing table: under ``"split"`` routing, one all-gather on the tp
+        mesh of every rank's ids and scores (float64, exact; no gradient), each rank's rows
+        padded to the longest and placed at their global token index (Note [Expert capacity]
+        in ``dtensor_moe/moe/capacity.py``)."""
+        meta = self.split_meta
+        if meta is None:
+            return ids_TK, scores_TK, None
+        K, dev = ids_TK.shape[1], ids_TK.device
+        index = [meta.global_token_index(r, device=dev) for r in range(meta.world)]
+        rows = [i.numel() for i in index]
+        table_TC = torch.cat((ids_TK.to(torch.float64), scores_TK.detach().to(torch.float64)), 1)
+        padded_TC = table_TC.new_zeros(max(rows), 2 * K)
+        padded_TC[: table_TC.shape[0]] = table_TC
+        gathered = funcol.wait_tensor(funcol.all_gather_tensor(padded_TC, 0, self.mesh))
+        parts = [gathered[r * max(rows) : r * max(rows) + n] for r, n in enumerate(rows)]
+        batch_bC = table_TC.new_empty(sum(rows), 2 * K)
+        batch_bC[torch.cat(index)] = torch.cat(parts)
+        return batch_bC[:, :K].long(), batch_bC[:, K:], index[self.rank]
 
     def loss_tokens(self, num_tokens: int, device: torch.device) -> LossTokens:
         return LossTokens(
@@ -336,7 +364,7 @@ class TokenParallel:
         B, L, D = x_in.shape
         tp, rank = self.mesh.size(), self.tp_rank
         device = x_in.device
-        owned = flat_rows = None
+        owned = flat_rows = meta = None
         if self.routing == "replicate":
             x = x_in.redistribute(self.mesh, [Replicate()])
             flat = TokenShardMeta.from_shape(B, L, tp, "flat")
@@ -373,5 +401,7 @@ class TokenParallel:
             shard_group=self.mesh if owned is None else None,
             local_output=local_output,
             flat_rows=flat_rows,
+            split_meta=meta,
+            rank=rank,
         )
         return x, split

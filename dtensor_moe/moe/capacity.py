@@ -1,0 +1,113 @@
+"""Expert capacity and token dropping (``MoEConfig.capacity_factor``).
+
+Shape legend:
+    T  tokens of the batch one forward routes (all tp ranks' tokens under token parallelism)
+    K  experts per token        E  routed experts        N  ``T * K`` (token, expert) pairs
+
+Note [Expert capacity]
+~~~~~~~~~~~~~~~~~~~~~~
+With ``capacity_factor = f`` each expert takes at most ``C = ceil(f * T * K / E)`` of the
+(token, expert) pairs of one forward's batch (rounded up to ``pad_multiple`` with
+``pad_to_capacity``). ``T`` is the batch the layer sees as a whole, which is what a single
+device running that batch sees:
+
+* one process, and data or expert parallelism over data ranks: the rank's own micro-batch
+  (capacity is per rank, as in Megatron-Core), so a rank drops exactly the pairs a single
+  device drops for that micro-batch;
+* tensor or sequence parallelism (:class:`~dtensor_moe.parallel.PrepareMoEInput`): the tp
+  group's whole batch, not one rank's shard. The ranks of the group all-gather their routing
+  table (the selected ids and combine weights, ``T * K`` values each, no gradient: one
+  all-gather on the tp mesh per forward), apply the single-device rule to the whole table in
+  global token order, and keep their own rows. The same pairs are dropped as on a single
+  device, for uneven shards and batch > 1 too.
+
+Which pairs an over-subscribed expert keeps (``drop_policy``):
+
+* ``"probs"``: its ``C`` pairs of highest combine weight (the routed score after ``route_norm``
+  and ``route_scale``, in float32); equal weights keep the earlier token;
+* ``"position"``: its first ``C`` pairs in token order (the earliest tokens).
+
+A dropped pair is not sent to its expert: the token gets no output from that expert and no
+gradient through it (neither to the token nor to its score), as if it had not selected the
+expert; its other experts, the shared experts and the residual still apply. The router losses
+and ``tokens_per_expert`` use the selection before the drop (what the router asked for); the
+dropped pairs are counted per expert in the router's ``dropped_per_expert`` and reported by
+:func:`~dtensor_moe.moe.load_stats`.
+
+The dispatcher receives dropped pairs as expert id ``E`` (one past the last expert) and a
+:class:`Capacity`. Without ``pad_to_capacity`` the routed buffer holds only the kept pairs: its
+length is data, read on the host once per forward (the expert-parallel exchange reads its
+sizes anyway). With ``pad_to_capacity`` every expert's group is exactly ``C`` rows, zero-padded:
+every shape is known before the step, no count is read on the host, and the expert-parallel
+exchange needs neither the count exchange nor a host read (the sync-free path, Note [Static
+exchange at capacity] in ``dtensor_moe/parallel/dispatch.py``). Padding rows are zeros, which
+the experts map to zeros and which give no gradient.
+"""
+
+# ruff: noqa: N803, N806
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Capacity", "capacity_keep", "expert_capacity"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Capacity:
+    """The capacity of one forward, handed to the dispatcher with the routing.
+
+    Attributes:
+        per_expert: ``C``, the most pairs an expert takes.
+        padded: every expert's row group is exactly ``C`` rows (``pad_to_capacity``).
+    """
+
+    per_expert: int
+    padded: bool
+
+
+def expert_capacity(
+    num_tokens: int, *, top_k: int, num_experts: int, factor: float, multiple: int = 1
+) -> int:
+    """``C = ceil(factor * num_tokens * top_k / num_experts)``, rounded up to ``multiple``.
+
+    Exact for the factors people use (the product is rounded to 9 decimals before the ceiling,
+    so that ``1.0 * 8 * 2 / 4`` is 4 and not 5 from a float error).
+    """
+    raw = round(factor * num_tokens * top_k / num_experts, 9)
+    return -(-math.ceil(raw) // multiple) * multiple
+
+
+def capacity_keep(
+    topk_ids_TK: torch.Tensor,
+    topk_scores_TK: torch.Tensor,
+    *,
+    capacity: int,
+    num_experts: int,
+    policy: str,
+) -> torch.Tensor:
+    """Which (token, expert) pairs their expert keeps (bool ``(T, K)``); Note [Expert capacity].
+
+    Static shapes throughout (sorts and a ``scatter_add`` into ``E`` bins), no host read: traces
+    under ``torch.compile``. ``topk_scores_TK`` is read only for ``policy="probs"``.
+    """
+    T, K = topk_ids_TK.shape
+    ids_N = topk_ids_TK.reshape(-1)
+    N = ids_N.numel()
+    if policy == "probs":
+        # best score first (stable: equal scores keep token order), then grouped by expert
+        by_score_N = torch.argsort(-topk_scores_TK.detach().float().reshape(-1), stable=True)
+        order_N = by_score_N.index_select(0, torch.argsort(ids_N[by_score_N], stable=True))
+    else:
+        order_N = torch.argsort(ids_N, stable=True)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
+    counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    sorted_ids_N = ids_N.index_select(0, order_N)
+    rank_N = torch.arange(N, device=ids_N.device) - starts_E.index_select(0, sorted_ids_N)
+    keep_N = torch.empty(N, dtype=torch.bool, device=ids_N.device)
+    keep_N.index_put_((order_N,), rank_N < capacity)
+    return keep_N.view(T, K)

@@ -1,0 +1,152 @@
+"""Expert capacity under the parallel layouts (4 gloo ranks): the same pairs are dropped as on a
+single device running the same batch, and outputs and gradients match it (Note [Expert
+capacity] in ``dtensor_moe/moe/capacity.py``).
+
+Capacity is per forward batch: a data-parallel rank's micro-batch (EP over data ranks), or the
+tp group's batch under sequence or tensor parallelism. So the reference is the single-device
+layer run on each data shard separately (not on the concatenated global batch), with the same
+weights; the harness of ``tests/test_parallel_moe.py`` does the rest (3 training steps with
+fused AdamW and the expert-bias update; output, input gradient, every parameter gradient, the
+auxiliary loss and the bias at 1e-5 relative), and the dropped pairs per expert, summed over
+ranks, equal the reference's.
+"""
+
+# ruff: noqa: N806
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
+
+from dtensor_moe import MoE
+from dtensor_moe.moe.balance import collect_aux_losses
+from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
+from tests._dist import DistTestBase
+from tests.test_parallel_moe import LAYOUTS, STEPS, Case, ParallelRun, close, full, make_config
+
+CAPACITY = dict(capacity_factor=0.5)  # C = ceil(0.5 * B * L * K / E): many drops
+
+
+class ShardwiseRun(ParallelRun):
+    """:class:`ParallelRun` whose reference runs each data shard as its own forward batch."""
+
+    def forward_backward(self):
+        dp, B = self.meshes.dp, self.case.B
+        x_ref = self.X.clone().requires_grad_()
+        ys, aux_values = [], []
+        with collect_aux_losses() as aux_ref:
+            for d in range(dp):
+                ys.append(self.ref(x_ref[d * B : (d + 1) * B]))
+                aux_values.append(self.ref.router.last_aux_loss)
+        y_ref = torch.cat(ys)
+        ((y_ref * self.G).sum().div(dp) + aux_ref.total() / dp).backward()
+        self.ref.router.last_aux_loss = torch.stack(aux_values).mean()  # what step() compares
+        expected = self._distributed_part()
+        expected["y"] = (expected["y"][0], y_ref[self.shard].detach())
+        expected["x.grad"] = (expected["x.grad"][0], x_ref.grad[self.shard])
+        # this step's dropped pairs per expert (the counters are reset by the bias update)
+        dropped = self.model.router.dropped_per_expert.clone()
+        dist.all_reduce(dropped)
+        ref_dropped = self.ref.router.dropped_per_expert.clone()
+        if self.case.B * self.case.L > 1:  # one token never over-fills an expert
+            assert ref_dropped.sum() > 0, "the case must drop some pairs"
+        expected["dropped pairs per expert"] = (dropped.double(), ref_dropped.double())
+        return expected
+
+    def _distributed_part(self):
+        x_d, g_d = self.X[self.shard], self.G[self.shard]
+        if self.meshes.tp > 1:
+            tp_mesh = self.meshes.dense["tp"]
+            x = distribute_tensor(x_d, tp_mesh, self._placement()).requires_grad_()
+            g_local = distribute_tensor(g_d, tp_mesh, self._placement()).to_local()
+            with collect_aux_losses() as aux:
+                y = self.model(x)
+            ((y.to_local() * g_local).sum() + aux.total()).backward()
+        else:
+            x = x_d.clone().requires_grad_()
+            with collect_aux_losses() as aux:
+                y = self.model(x)
+            ((y * g_d).sum() + aux.total()).backward()
+        return {"y": (full(y), None), "x.grad": (full(x.grad) / self.meshes.dp, None)}
+
+
+RUNS = [  # (layout, case, capacity options): every layout kind, both policies, both layouts
+    ("ep4", Case(2, 7, 2, 1), dict(drop_policy="probs")),
+    ("ep4", Case(2, 7, 2, 0), dict(drop_policy="position", pad_to_capacity=True)),
+    ("sp2ep2", Case(2, 7, 2, 1), dict(drop_policy="position")),
+    ("sp2ep2", Case(2, 7, 2, 0), dict(drop_policy="probs", pad_to_capacity=True)),
+    ("ep2tp2", Case(2, 7, 2, 0), dict(drop_policy="probs", pad_to_capacity=True)),
+    ("tp2ep2", Case(2, 7, 2, 1), dict(drop_policy="probs", score_before_experts=True)),
+    ("etp2_gather", Case(2, 7, 1, 0), dict(drop_policy="position", pad_to_capacity=True)),
+    ("sp2ep2", Case(1, 1, 2, 0), dict(drop_policy="probs")),  # a tp rank with no token
+]
+
+
+class CapacityParityTest(DistTestBase):
+    def _check_run(self, name, case, options):
+        run = ShardwiseRun(LAYOUTS[name], case, self.rank, **CAPACITY, **options)
+        where = f"{name} {case} {options}"
+        for step in range(STEPS):
+
+            def check(actual, expected, what, step=step, where=where):
+                close(actual, expected, f"{where} step {step}: {what}")
+
+            run.step(check)
+        run.check_params(lambda a, e, w, where=where: close(a, e, f"{where}: {w}"))
+
+    @with_comms
+    def test_ep_and_sp_drop_as_one_device(self):
+        for name, case, options in RUNS:
+            self._check_run(name, case, options)
+
+    @with_comms
+    def test_static_exchange_has_no_count_exchange(self):
+        """Note [Static exchange at capacity]: 2 forward all-to-alls instead of 3 (no count
+        exchange), and no host read of sizes."""
+        counts = {}
+        for padded in (False, True):
+            meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
+            torch.manual_seed(0)
+            moe = parallelize_moe(
+                MoE(make_config(Case(2, 7, 2, 0), **CAPACITY, pad_to_capacity=padded)), meshes,
+                sequence_parallel=False,
+            )
+            x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(self.rank))
+            moe(x).sum().backward()  # the first training forward runs the identical-token check
+            with CommDebugMode() as comm:
+                y = moe(x.clone().requires_grad_())
+            forward = {str(k): v for k, v in comm.get_comm_counts().items()}
+            with CommDebugMode() as comm:
+                y.sum().backward()
+            backward = {str(k): v for k, v in comm.get_comm_counts().items()}
+            counts[f"pad_to_capacity={padded}"] = f"forward {forward}, backward {backward}"
+        self.assertExpectedInline(
+            "\n".join(f"{k}: {v}" for k, v in counts.items()),
+            """\
+pad_to_capacity=False: forward {'c10d_functional.all_to_all_single': 3}, backward {'c10d_functional.all_to_all_single': 2}
+pad_to_capacity=True: forward {'c10d_functional.all_to_all_single': 2}, backward {'c10d_functional.all_to_all_single': 2}""",  # noqa: E501
+        )
+
+    @with_comms
+    def test_static_exchange_needs_equal_capacity(self):
+        meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
+        moe = parallelize_moe(
+            MoE(make_config(Case(2, 7, 2, 0), **CAPACITY, pad_to_capacity=True)), meshes,
+            sequence_parallel=False,
+        )
+        gen = torch.Generator().manual_seed(self.rank)
+        x = torch.randn(2, 7 if self.rank else 9, 16, generator=gen)  # rank 0 routes more
+        with self.assertRaisesRegex(
+            ValueError,
+            r"needs the same expert capacity on every rank, got rank 0: 3, rank 1: 2, rank 2: "
+            r"2, rank 3: 2 .* give every rank the same batch shape",
+        ):
+            moe(x)
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -14,6 +14,7 @@ Run::
     python benchmarks/moe_layer.py --layout ep4    # 4 gloo processes x 1 thread
     python benchmarks/moe_layer.py --layout ep4 --compile  # + torch.compile(moe), side by side
     python benchmarks/moe_layer.py --preset deepseek-v3    # also mixtral, qwen3; any layout
+    python benchmarks/moe_layer.py --capacity-factor 1.25 --pad-to-capacity  # token dropping
 
 Layouts: ``--layout`` picks an entry of ``LAYOUTS``. The parallel layouts (``PARALLEL``) launch
 ``world`` gloo processes with ``--threads`` threads each; every rank routes ``--tokens``
@@ -105,6 +106,8 @@ def _build(args: argparse.Namespace) -> tuple[MoE, torch.Tensor, torch.Tensor]:
         num_shared_experts=args.shared,
         compute_path=args.path,
         fused_routed_step=not args.plain_routed_step,
+        capacity_factor=args.capacity_factor,
+        pad_to_capacity=args.pad_to_capacity,
         **PRESETS[args.preset]["config"] if args.preset else {},
     )
     dtype = DTYPES[args.dtype]
@@ -120,7 +123,7 @@ def _routed_rows(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         x_TD = x.reshape(-1, x.shape[-1])
         routing = moe.router(x_TD)
         routed_RD, counts_e, _ = moe.experts.dispatcher.dispatch(
-            x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E
+            x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E, routing.capacity
         )
     return routed_RD.clone().requires_grad_(), counts_e
 
@@ -491,6 +494,10 @@ def _parse() -> argparse.Namespace:
                    help="MoEConfig(fused_routed_step=False): plain autograd, no extra matmul")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="a real model's routing, scaled down (sets experts, top-k, hidden, shared)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="MoEConfig.capacity_factor: drop pairs over capacity (default dropless)")
+    p.add_argument("--pad-to-capacity", action="store_true",
+                   help="MoEConfig.pad_to_capacity: static shapes (needs --capacity-factor)")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--hidden", type=int, default=512)
@@ -544,6 +551,8 @@ def _parse() -> argparse.Namespace:
         p.error("--nested-graph-breaks needs --compile")
     if args.compile_mode != "default" and args.compile_backend != "inductor":
         p.error("--compile-mode needs --compile-backend inductor")
+    if args.pad_to_capacity and args.capacity_factor is None:
+        p.error("--pad-to-capacity needs --capacity-factor")
     if args.free_exchanges and args.layout not in PARALLEL:
         p.error("--free-exchanges needs a parallel --layout")
     if args.preset:
@@ -573,6 +582,8 @@ def main() -> None:
         + (" free_exchanges (diagnostic: outputs are wrong)" if args.free_exchanges else "")
         + (" no_overlap (plain EP path)" if args.no_overlap else "")
         + (" plain_routed_step" if args.plain_routed_step else "")
+        + (f" capacity_factor={args.capacity_factor}" if args.capacity_factor else "")
+        + (" pad_to_capacity" if args.pad_to_capacity else "")
     )
     rows = "rows per rank" if args.layout in PARALLEL else "rows per expert"
     print(f"expert path: {result['path']}  {rows}: {result['counts']}")

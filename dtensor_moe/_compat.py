@@ -14,8 +14,11 @@ public equivalent in torch 2.13; a helper here would only rename them.
     dtensor_moe/parallel/dispatch.py: torch._grouped_mm -- the same, in the one-node EP step
     dtensor_moe/parallel/dispatch.py: torch.distributed._functional_collectives -- the
         count/token all-to-alls of the plain EP path (all_to_all_single[_autograd], wait_tensor)
+        and the static exchange at capacity, which traces under torch.compile
     dtensor_moe/moe/losses.py: torch.distributed._functional_collectives -- the all-reduce of
         the global-batch router statistics (traceable under torch.compile)
+    dtensor_moe/parallel/token_parallel.py: torch.distributed._functional_collectives -- the
+        all-gather of the routing table for expert capacity over a tp group (traceable)
     dtensor_moe/optim/clip.py: torch._foreach_norm -- as torch.nn.utils.clip_grad_norm_ uses it
     dtensor_moe/optim/clip.py: torch._foreach_mul_ -- as torch.nn.utils.clip_grad_norm_ uses it
     dtensor_moe/optim/fused.py: torch._ops.OpOverload -- the type of the aten overloads

@@ -15,8 +15,12 @@ ranks, equal the reference's.
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch._dynamo
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.common_utils import run_tests
@@ -26,6 +30,7 @@ from dtensor_moe import MoE
 from dtensor_moe.moe.balance import collect_aux_losses
 from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
 from tests._dist import DistTestBase
+from tests.test_parallel_compile import ParallelCompileTest
 from tests.test_parallel_moe import LAYOUTS, STEPS, Case, ParallelRun, close, full, make_config
 
 CAPACITY = dict(capacity_factor=0.5)  # C = ceil(0.5 * B * L * K / E): many drops
@@ -146,6 +151,70 @@ pad_to_capacity=True: forward {'c10d_functional.all_to_all_single': 2}, backward
             r"2, rank 3: 2 .* give every rank the same batch shape",
         ):
             moe(x)
+
+
+# CI: the static path on EP and SP layouts, the island once (dropless's own breaks are pinned in
+# tests/test_parallel_compile.py); DTENSOR_MOE_FULL_MATRIX=1 adds the unpadded SP parity.
+COMPILE_RUNS = [("ep4", True), ("sp2ep2", True), ("ep4", False)] + (
+    [("sp2ep2", False)] if os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1" else []
+)
+BREAK_RUNS = [("ep4", True, True), ("ep4", True, False), ("ep4", False, True),
+              ("ep2tp2", True, True), ("sp2ep2", True, True)]
+
+
+class CapacityCompileTest(DistTestBase):
+    """Under ``torch.compile``: ``pad_to_capacity`` traces the whole expert-parallel layer,
+    static exchange included (Note [Static exchange at capacity]); without it the exchange runs
+    in the eager island, as dropless. Both match the same layer run eagerly."""
+
+    _model = ParallelCompileTest._model
+    _input = ParallelCompileTest._input
+    _fwd_bwd = ParallelCompileTest._fwd_bwd
+    _compare = ParallelCompileTest._compare
+    _check = ParallelCompileTest._check
+
+    @with_comms
+    def test_compiled_matches_eager(self):
+        for name, padded in COMPILE_RUNS:
+            model = self._model(name, **CAPACITY, pad_to_capacity=padded)[0]
+            self._check(name, model, "aot_eager", steps=3)
+
+    @with_comms
+    def test_graph_breaks_are_pinned(self):
+        results = {}
+        for name, padded, train in BREAK_RUNS:
+            model, meshes, layout = self._model(name, **CAPACITY, pad_to_capacity=padded)
+            x, g = self._input(meshes, layout, seed=19)
+            self._fwd_bwd(model, x, g)  # eager: the one-time identical-token check
+            model.train(train)
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(model, backend="eager")
+            for step in range(3):  # new data: no recompile
+                x, g = self._input(meshes, layout, seed=20 + step)
+                self._fwd_bwd(compiled, x, g)
+            key = f"{name} {'padded' if padded else 'unpadded'} {'train' if train else 'eval'}"
+            results[key] = (
+                counters["stats"]["unique_graphs"],
+                sum(counters["graph_break"].values()),
+                sum(counters["recompiles"].values()),
+            )
+        # (graphs, breaks, recompiles) over 3 steps with new data. pad_to_capacity: the whole
+        # layer traces, static exchange included: in training the one break is the router
+        # counter update (Note [MoE under torch.compile]), in eval none. Without it, the
+        # exchange runs in the eager island, as for the dropless layer (tests/
+        # test_parallel_compile.py). Under tensor/sequence parallelism the style's output hook
+        # runs after the layer's forward returns: one graph more.
+        self.assertExpectedInline(
+            "\n".join(f"{k}: graphs={v[0]} breaks={v[1]} recompiles={v[2]}"
+                      for k, v in results.items()),
+            """\
+ep4 padded train: graphs=1 breaks=1 recompiles=0
+ep4 padded eval: graphs=1 breaks=0 recompiles=0
+ep4 unpadded train: graphs=2 breaks=4 recompiles=0
+ep2tp2 padded train: graphs=2 breaks=1 recompiles=0
+sp2ep2 padded train: graphs=2 breaks=1 recompiles=0""",
+        )
 
 
 if __name__ == "__main__":

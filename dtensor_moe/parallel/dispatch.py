@@ -449,6 +449,13 @@ _EAGER_REASON = (
 )
 
 
+_token_check = torch.compiler.disable(
+    lambda dispatcher, x_TD, capacity: dispatcher._token_check(x_TD, capacity),
+    reason="dtensor_moe checks once, eagerly, that the ranks of an expert-parallel mesh route "
+    "different tokens (Note [Ranks with identical tokens] in dtensor_moe/parallel/dispatch.py)",
+)
+
+
 def _check_equal_capacity(capacities: list[int], mesh: DeviceMesh, ranks: tuple[int, ...]) -> None:
     """Note [Static exchange at capacity]: the ranks of ``mesh`` must agree on the capacity
     (``-1``: not padded to capacity); ``capacities`` is the all-gathered list, the same on every
@@ -576,10 +583,19 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         route the same tokens (or, with ``pad_to_capacity``, have different capacities: Note
         [Static exchange at capacity]). Runs on the first forward with gradients enabled, and
         on every one under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: one all-gather of three
-        numbers."""
-        detail = dist.get_debug_level() == dist.DebugLevel.DETAIL
+        numbers.
+
+        Under ``torch.compile`` (the static exchange at capacity traces) the check runs eagerly:
+        a graph break on the first forward only; the flag it sets then recompiles it away.
+        Compiled code does not read the debug level (no check per forward under DETAIL)."""
+        compiling = torch.compiler.is_compiling()
+        detail = not compiling and dist.get_debug_level() == dist.DebugLevel.DETAIL
         if (self.tokens_checked and not detail) or not torch.is_grad_enabled():
             return
+        _token_check(self, x_TD, capacity)
+
+    def _token_check(self, x_TD: torch.Tensor, capacity: Capacity | None) -> None:
+        """The check of :meth:`_check_distinct_tokens`, once it is due."""
         x = x_TD.detach().reshape(-1).to(torch.float64)
         # A position-weighted sum: equal for identical tokens, distinct otherwise but by a
         # coincidence of measure zero. Ranks without tokens, or with all-zero tokens, prove
@@ -711,7 +727,8 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         ``score_before_experts``, with a ``capacity``, and when the experts do not run on the
         ``grouped_mm`` path.
         """
-        if self.mesh is not None and torch.compiler.is_compiling():
+        static = capacity is not None and capacity.padded
+        if self.mesh is not None and torch.compiler.is_compiling() and not static:
             # Note [Expert parallelism under torch.compile]
             y_TD = _eager_run_experts(
                 self, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity

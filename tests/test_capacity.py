@@ -214,6 +214,24 @@ nested padded: graphs=1 breaks=1""",
     torch.testing.assert_close(torch.compile(moe, fullgraph=True, backend="eager")(x), moe(x))
 
 
+def test_inductor_matches_eager():
+    moe = make(pad_to_capacity=True, dim=64, hidden_dim=128, num_experts=8)
+    assert_matches_eager(moe, torch.randn(2, 13, 64), torch.float32, "inductor", what="inductor")
+
+
+def test_inductor_cumsum_dtype_bug():
+    """Note [inductor cumsum dtype] in experts.py: the torch bug that ``_group_ends`` works
+    around. If this starts failing, the plain ``cumsum(..., dtype=torch.int32)`` can come
+    back."""
+
+    def ends(n):
+        return torch.cumsum(torch.full((4,), n, dtype=torch.int64), 0, dtype=torch.int32)
+
+    torch._dynamo.reset()
+    assert ends(3).dtype == torch.int32
+    assert torch.compile(ends, backend="inductor")(3).dtype == torch.int64
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="capacity_factor must be a positive finite"):
         MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=K, capacity_factor=0.0)

@@ -85,11 +85,15 @@ class DispatchMetadata:
             experts (``score_before_experts``).
         void_row: dropped pairs point at row ``R`` of the expert output, read as zeros (Note
             [The void row]).
+        order_N: the pair of each routed row (``ExpertLayout.order_N``) when the rows are a
+            permutation of the pairs (no padding, no drop), else ``None``; the combine's
+            backward is then one gather.
     """
 
     row_TK: torch.Tensor
     scores_TK: torch.Tensor | None
     void_row: bool = False
+    order_N: torch.Tensor | None = None
 
 
 def _padding_shift(counts_E: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, list[int]]:
@@ -275,6 +279,76 @@ class _UnpermuteRows(torch.autograd.Function):
         return grad_RD.index_copy_(0, index, grad_ND), None, None
 
 
+def weighted_row_sum(out_RD: torch.Tensor, row_TK: torch.Tensor, s_TK: torch.Tensor) -> torch.Tensor:
+    """``y_TD[t] = sum_k s_TK[t, k] * out_RD[row_TK[t, k]]``, added in ``k`` order with ``T x D``
+    temporaries only (Note [Deterministic combine]); ``s_TK`` in ``out_RD``'s dtype."""
+    y_TD = out_RD.index_select(0, row_TK[:, 0]).mul_(s_TK[:, :1])
+    for k in range(1, row_TK.shape[1]):
+        y_TD.addcmul_(out_RD.index_select(0, row_TK[:, k]), s_TK[:, k : k + 1])
+    return y_TD
+
+
+def combine_score_grads(
+    grad_TD: torch.Tensor, out_RD: torch.Tensor, row_TK: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of :func:`weighted_row_sum` with respect to ``s_TK``: the dot product of each
+    token's gradient with each of its rows (``T x D`` temporaries only)."""
+    return torch.stack(
+        [torch.linalg.vecdot(grad_TD, out_RD.index_select(0, row_TK[:, k]))
+         for k in range(row_TK.shape[1])],
+        dim=1,
+    )
+
+
+def combine_row_grads(
+    grad_TD: torch.Tensor,
+    s_TK: torch.Tensor,
+    row_TK: torch.Tensor,
+    num_rows: int,
+    order_N: torch.Tensor | None,
+) -> torch.Tensor:
+    """The gradient of :func:`weighted_row_sum` with respect to ``out_RD``: row ``row_TK[t, k]``
+    gets ``s_TK[t, k] * grad_TD[t]``; rows no pair names get zero. With ``order_N`` (the rows are
+    a permutation of the pairs) one gather, no zero fill."""
+    K = row_TK.shape[1]
+    if order_N is not None:
+        token_N = torch.div(order_N, K, rounding_mode="floor")
+        scores_N = s_TK.reshape(-1).index_select(0, order_N)
+        return grad_TD.index_select(0, token_N).mul_(scores_N.unsqueeze(-1))
+    grad_RD = grad_TD.new_zeros(num_rows, grad_TD.shape[-1])
+    for k in range(K):
+        grad_RD.index_copy_(0, row_TK[:, k], grad_TD * s_TK[:, k : k + 1])
+    return grad_RD
+
+
+class _WeightedCombine(torch.autograd.Function):
+    """:func:`weighted_row_sum` with its gradients (:func:`combine_row_grads`,
+    :func:`combine_score_grads`); saves ``out_RD`` and the scores."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        out_RD: torch.Tensor,
+        row_TK: torch.Tensor,
+        scores_TK: torch.Tensor,
+        order_N: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(out_RD, row_TK, scores_TK, order_N)
+        return weighted_row_sum(out_RD, row_TK, scores_TK.to(out_RD.dtype))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out_RD, row_TK, scores_TK, order_N = ctx.saved_tensors
+        grad_out = grad_scores = None
+        if ctx.needs_input_grad[0]:
+            s_TK = scores_TK.to(out_RD.dtype)
+            grad_out = combine_row_grads(grad_TD, s_TK, row_TK, out_RD.shape[0], order_N)
+        if ctx.needs_input_grad[2]:
+            grad_scores = combine_score_grads(grad_TD, out_RD, row_TK).to(scores_TK.dtype)
+        return grad_out, None, grad_scores, None
+
+
 def unpermute_and_reduce(
     out_RD: torch.Tensor,
     row_TK: torch.Tensor,
@@ -292,20 +366,18 @@ def unpermute_and_reduce(
     ``row_TK`` may name row ``R``, which reads as zeros (pairs dropped for capacity; Note
     [The void row]).
 
-    The result is never a view: FSDP2 warns about a wrapped module (the experts) that returns
-    one, since an in-place op on it would skip FSDP's pre-backward hook. Making the ``bmm``
-    result a fresh tensor costs a copy of ``T x D`` values, under 1% of the combine.
+    The weighted sum runs in one autograd node, :class:`_WeightedCombine`, with ``T x D``
+    temporaries only (no ``(T * K, D)`` gather of the rows). The result is never a view: FSDP2
+    warns about a wrapped module (the experts) that returns one, since an in-place op on it
+    would skip FSDP's pre-backward hook.
     """
     T, K = row_TK.shape
     if void_row:
         out_RD = _with_void_row(out_RD)
+    if scores_TK is not None:
+        return _WeightedCombine.apply(out_RD, row_TK, scores_TK, None if void_row else order_N)
     out_TKD = _UnpermuteRows.apply(out_RD, row_TK.reshape(-1), order_N)
-    out_TKD = out_TKD.view(T, K, out_RD.shape[-1])
-    if scores_TK is None:
-        return out_TKD.sum(dim=1)
-    if K == 1:
-        return out_TKD[:, 0] * scores_TK.to(out_RD.dtype)
-    return torch.bmm(scores_TK.to(out_RD.dtype).unsqueeze(1), out_TKD).squeeze(1).clone()
+    return out_TKD.view(T, K, out_RD.shape[-1]).sum(dim=1)
 
 
 class TokenDispatcher:
@@ -369,14 +441,21 @@ class TokenDispatcher:
             routed_RD,
             layout.counts_e,
             DispatchMetadata(
-                row_TK=layout.row_TK, scores_TK=scores_TK, void_row=layout.void_row
+                row_TK=layout.row_TK,
+                scores_TK=scores_TK,
+                void_row=layout.void_row,
+                order_N=layout.order_N if layout.row_N is None else None,
             ),
         )
 
     def combine(self, out_RD: torch.Tensor, metadata: DispatchMetadata) -> torch.Tensor:
         """Weight and sum each token's expert outputs back into ``y_TD`` (token order)."""
         return unpermute_and_reduce(
-            out_RD, metadata.row_TK, metadata.scores_TK, void_row=metadata.void_row
+            out_RD,
+            metadata.row_TK,
+            metadata.scores_TK,
+            order_N=metadata.order_N,
+            void_row=metadata.void_row,
         )
 
     def run_experts(

@@ -81,7 +81,13 @@ from torch.distributed.tensor import DTensor, Partial
 from dtensor_moe import _compat
 from dtensor_moe.moe.capacity import Capacity
 from dtensor_moe.moe.config import ComputePath
-from dtensor_moe.moe.dispatch import ExpertLayout, TokenDispatcher
+from dtensor_moe.moe.dispatch import (
+    ExpertLayout,
+    TokenDispatcher,
+    combine_row_grads,
+    combine_score_grads,
+    weighted_row_sum,
+)
 
 __all__ = [
     "GroupedExperts",
@@ -184,6 +190,18 @@ def _grouped_mm_supported(x_RD: torch.Tensor, w1_eHD: torch.Tensor) -> bool:
     return (D * x_RD.element_size()) % 16 == 0 and (H * x_RD.element_size()) % 16 == 0
 
 
+def _group_ends(counts_e: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm`` offsets: the int32 cumulative sum of the counts.
+
+    Note [inductor cumsum dtype]: torch 2.13's inductor returns int64 from
+    ``torch.cumsum(c, 0, dtype=torch.int32)`` when ``c`` is a constant it can fold (the static
+    counts of ``pad_to_capacity``), and ``torch._grouped_mm`` then rejects the offsets. Summing
+    in int64 and casting gives the same values and the right dtype on every backend;
+    ``tests/test_capacity.py::test_inductor_cumsum_dtype_bug`` shows the workaround is needed.
+    """
+    return torch.cumsum(counts_e, 0).to(torch.int32)
+
+
 def resolve_compute_path(
     path: ComputePath, x_RD: torch.Tensor, w1_eHD: torch.Tensor, counts: Sequence[int] | None
 ) -> str:
@@ -221,7 +239,7 @@ def _swiglu_grouped_mm(
     w3_eHD: torch.Tensor,
     counts_e: torch.Tensor,
 ) -> torch.Tensor:
-    offs_e = torch.cumsum(counts_e.to(x_RD.device), 0, dtype=torch.int32)
+    offs_e = _group_ends(counts_e.to(x_RD.device))
     h_RH = F.silu(_grouped_mm(x_RD, w1_eHD, offs_e)) * _grouped_mm(x_RD, w3_eHD, offs_e)
     return _grouped_mm(h_RH, w2_eDH, offs_e)
 
@@ -272,19 +290,12 @@ class _RoutedSwiGLU(torch.autograd.Function):
         offs_e: torch.Tensor,
         recompute: bool,
     ) -> torch.Tensor:
-        T, K = row_TK.shape
-        D = x_TD.shape[-1]
         x_RD = x_TD.index_select(0, token_N)
         h1_RH = torch._grouped_mm(x_RD, w1_eHD.transpose(-2, -1), offs=offs_e)
         h3_RH = torch._grouped_mm(x_RD, w3_eHD.transpose(-2, -1), offs=offs_e)
         out_RD = torch._grouped_mm(F.silu(h1_RH) * h3_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
-        out_TKD = out_RD.index_select(0, row_TK.reshape(-1)).view(T, K, D)
-        s_TK = scores_TK.to(x_TD.dtype)
-        if K == 1:
-            y_TD = out_TKD[:, 0] * s_TK
-        else:
-            y_TD = x_TD.new_empty(T, D)
-            torch.bmm(s_TK.unsqueeze(1), out_TKD, out=y_TD.view(T, 1, D))
+        y_TD = weighted_row_sum(out_RD, row_TK, scores_TK.to(x_TD.dtype))
+        del out_RD
         hidden = () if recompute else (h1_RH, h3_RH)
         ctx.save_for_backward(
             x_TD, scores_TK, w1_eHD, w2_eDH, w3_eHD, token_N, order_N, row_TK, offs_e, *hidden
@@ -309,26 +320,13 @@ class _RoutedSwiGLU(torch.autograd.Function):
         need = ctx.needs_input_grad
         # The plain combine's backward, op for op (Note [What the experts save for backward]).
         s_TK = scores_TK.to(x_TD.dtype)
-        if K == 1:
-            grad_ND = grad_TD * s_TK
-        else:
-            grad_ND = torch.bmm(s_TK.unsqueeze(1).transpose(1, 2), grad_TD.unsqueeze(1))
-            grad_ND = grad_ND.view(T * K, grad_TD.shape[-1])
-        grad_RD = grad_ND.index_select(0, order_N).contiguous()
-        del grad_ND
+        grad_RD = combine_row_grads(grad_TD, s_TK, row_TK, T * K, order_N)
         grad_scores_TK = None
         if need[1]:
             # out_RD again, by the forward's own call: the plain path's saved expert outputs.
             out_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
-            out_TKD = out_RD.index_select(0, row_TK.reshape(-1)).view(T, K, out_RD.shape[-1])
+            grad_scores_TK = combine_score_grads(grad_TD, out_RD, row_TK).to(scores_TK.dtype)
             del out_RD
-            if K == 1:
-                grad_scores_TK = (grad_TD * out_TKD[:, 0]).sum(1, keepdim=True)
-            else:
-                grad_scores_TK = torch.bmm(grad_TD.unsqueeze(1), out_TKD.transpose(1, 2))
-                grad_scores_TK = grad_scores_TK.squeeze(1)
-            del out_TKD
-            grad_scores_TK = grad_scores_TK.to(scores_TK.dtype)
         grad_w2 = torch._grouped_mm(grad_RD.t(), h_RH, offs=offs_e) if need[3] else None
         grad_h_RH = torch._grouped_mm(grad_RD, w2_eDH, offs=offs_e)
         del grad_RD
@@ -548,7 +546,7 @@ class GroupedExperts(nn.Module):
         counts = _host_counts(layout.counts_e, self.compute_path)
         if resolve_compute_path(self.compute_path, x_TD, w1, counts) != "grouped_mm":
             return None
-        offs_e = torch.cumsum(layout.counts_e.to(x_TD.device), 0, dtype=torch.int32)
+        offs_e = _group_ends(layout.counts_e.to(x_TD.device))
         return _RoutedSwiGLU.apply(
             x_TD, topk_scores_TK, w1, w2, w3, layout.token_N, layout.order_N, layout.row_TK,
             offs_e, self.recompute_experts,

@@ -20,11 +20,13 @@ one forward needs goes into its metadata (a frozen dataclass that may subclass
 :class:`DispatchMetadata`), never onto ``self``.
 
 Note [Deterministic combine]: no step accumulates with atomics or ``index_add``. Forward
-gathers rows by index. The backward of the token gather adds the ``K`` row gradients of each
-token in ``k`` order (one gather per ``k``); the backward of the combine
-gather copies each gradient row to its unique routed row (``index_copy``, or a gather by the
-inverse permutation when there is no padding). Results are the same bits run to run, on CPU
-and on accelerators.
+gathers rows by index. The weighted combine adds each token's ``K`` weighted rows in ``k``
+order (one gather and one ``addcmul`` per ``k``: ``T x D`` temporaries only, never the
+``(T * K, D)`` gathered rows; :func:`weighted_row_sum`). The backward of the token gather adds
+the ``K`` row gradients of each token in ``k`` order (one gather per ``k``); the backward of
+the combine writes each row's gradient to its unique routed row (``index_copy``, or one gather
+by the inverse permutation when there is no padding), and the score gradient is one dot
+product per ``k``. Results are the same bits run to run, on CPU and on accelerators.
 """
 
 # ruff: noqa: N803, N806, N815

@@ -50,8 +50,9 @@ Plain autograd over those steps saves the gathered rows (``R x D``), both pre-ac
   ``grouped_mm`` call (one more grouped matmul per backward) for the score gradient.
 
 Backward otherwise runs the plain path's autograd backward op for op: the combine's backward
-(``g * s`` for ``K == 1``, the ``bmm`` with the scores for ``K > 1``; the score gradient as
-its reduction of ``g_t`` against ``out``), the unpermute as a gather, then ``grouped_mm``'s
+(the same helpers, ``combine_row_grads`` and ``combine_score_grads`` in ``dispatch.py``: each
+row's gradient is ``s * g`` by one gather, the score gradient a dot product per ``k``), then
+``grouped_mm``'s
 backward formulas, ``silu_backward``, and the permute's backward (the ``K`` row gradients
 added in ``k`` order). So the output and every gradient are the same bits as the plain path's
 (``tests/test_moe_memory.py``: ``torch.equal`` against ``fused_routed_step=False`` in float32

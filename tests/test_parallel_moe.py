@@ -179,10 +179,23 @@ class ParallelRun:
     def forward_backward(self) -> dict[str, torch.Tensor]:
         """Run one step's forward and backward on both; return what to compare."""
         x_ref = self.X.clone().requires_grad_()
+        y_ref = self.reference_forward_backward(x_ref)
+        y, x_grad = self.distributed_forward_backward()
+        return {
+            "y": (y, y_ref[self.shard].detach()),
+            "x.grad": (x_grad, x_ref.grad[self.shard]),
+        }
+
+    def reference_forward_backward(self, x_ref: torch.Tensor) -> torch.Tensor:
+        """The single-device layer on the global batch, and its backward; returns its output."""
         with collect_aux_losses() as aux_ref:
             y_ref = self.ref(x_ref)
         # mean over data shards of (sum(y_d * G_d) + aux_d); the global aux is that mean
         ((y_ref * self.G).sum().div(self.meshes.dp) + aux_ref.total()).backward()
+        return y_ref
+
+    def distributed_forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's data shard through the parallel layer; its full output and input grad."""
         x_d, g_d = self.X[self.shard], self.G[self.shard]
         if self.meshes.tp > 1:
             tp_mesh = self.meshes.dense["tp"]
@@ -196,10 +209,7 @@ class ParallelRun:
             with collect_aux_losses() as aux:
                 y = self.model(x)
             ((y * g_d).sum() + aux.total()).backward()
-        return {
-            "y": (full(y), y_ref[self.shard].detach()),
-            "x.grad": (full(x.grad) / self.meshes.dp, x_ref.grad[self.shard]),
-        }
+        return full(y), full(x.grad) / self.meshes.dp
 
     def step(self, check) -> None:
         for name, (actual, expected) in self.forward_backward().items():
@@ -238,20 +248,24 @@ OPTION_RUNS = [  # other MoEConfig options, one case each: (layout, overrides)
 ]
 
 
+def run_steps(run: ParallelRun, where: str) -> None:
+    """``STEPS`` training steps of ``run``, every comparison at ``TOL``, then the params."""
+    for step in range(STEPS):
+
+        def check(actual, expected, what, step=step):
+            close(actual, expected, f"{where} step {step}: {what}")
+
+        run.step(check)
+    run.check_params(lambda a, e, w: close(a, e, f"{where}: {w}"))
+
+
 class ParallelMoEParityTest(DistTestBase):
     def _run_layout(self, name: str, cases=None, **config) -> None:
         # Both implementations of the EP exchange (ExpertParallel(overlap=...)): the one-node
         # overlapped step and the plain functional-collective path, on the same matrix.
         for overlap, case in itertools.product((True, False), cases or CASES):
             run = ParallelRun(LAYOUTS[name], case, self.rank, overlap=overlap, **config)
-            where = f"{name} {case} overlap={overlap} {config}"
-            for step in range(STEPS):
-
-                def check(actual, expected, what, step=step, where=where):
-                    close(actual, expected, f"{where} step {step}: {what}")
-
-                run.step(check)
-            run.check_params(lambda a, e, w, where=where: close(a, e, f"{where}: {w}"))
+            run_steps(run, f"{name} {case} overlap={overlap} {config}")
 
     @with_comms
     def test_ep2(self):

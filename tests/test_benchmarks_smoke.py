@@ -98,3 +98,22 @@ def test_moe_layer_benchmark_compile_adds_a_compiled_column_without_recompiles()
     assert dynamo, out
     # The experts' exchange is a deliberate break (docs/parallelism.md); the guards must hold.
     assert int(dynamo[1]) >= 1 and int(dynamo[2]) >= 1 and dynamo[3] == "0", out
+
+
+def test_moe_layer_benchmark_capacity():
+    """The capacity flags of docs/benchmarks.md reach MoEConfig, and the padded layer compiles
+    with the dropless layer's one break (the counter update). Under EP the same flags compile
+    whole too (pinned in tests/test_capacity_dist.py; not rerun here, to keep CI short)."""
+    out = _run(
+        "benchmarks/moe_layer.py", "--capacity-factor", "1.25", "--pad-to-capacity", "--tokens",
+        "64", "--dim", "32", "--hidden", "64", "--warmup", "1", "--repeats", "2", "--compile",
+        "--compile-backend", "aot_eager",
+    )
+    assert "capacity_factor=1.25 pad_to_capacity" in out, out
+    assert "step / floor (median of per-repeat ratios):" in out, out
+    assert "1 graphs, 1 graph breaks, recompiles during the timed repeats: 0" in out, out
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/moe_layer.py", "--pad-to-capacity"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 2 and "--pad-to-capacity needs --capacity-factor" in proc.stderr

@@ -126,6 +126,23 @@ def test_matches_dense_reference(padded, policy, path, before):
     assert moe.router.tokens_per_expert.sum().item() == 2 * 7 * K  # the selection, pre-drop
 
 
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_alignment_padding_without_pad_to_capacity(policy):
+    """``pad_multiple > 1`` with a capacity but without ``pad_to_capacity``: the kept pairs'
+    groups are aligned (``_capacity_rows``' third layout), same results as the reference."""
+    moe = make(drop_policy=policy, pad_multiple=4)
+    x = torch.randn(2, 7, D)
+    y, x_grad, param_grads = grads(moe, x, lambda m, x: m(x))
+    ref = copy.deepcopy(moe)
+    y_ref, x_grad_ref, ref_grads = grads(
+        ref, x, lambda m, x: reference_forward(m, x, policy, 0.5)[0]
+    )
+    close(y, y_ref, "output")
+    close(x_grad, x_grad_ref, "x.grad")
+    for name, grad in ref_grads.items():
+        close(param_grads[name], grad, f"{name}.grad")
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_enough_capacity_is_dropless(padded):
     dropless = make(capacity_factor=None)

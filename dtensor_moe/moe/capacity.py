@@ -84,15 +84,16 @@ def expert_capacity(
 def capacity_keep(
     topk_ids_TK: torch.Tensor,
     topk_scores_TK: torch.Tensor,
+    counts_E: torch.Tensor,
     *,
     capacity: int,
-    num_experts: int,
     policy: str,
 ) -> torch.Tensor:
     """Which (token, expert) pairs their expert keeps (bool ``(T, K)``); Note [Expert capacity].
 
-    Static shapes throughout (sorts and a ``scatter_add`` into ``E`` bins), no host read: traces
-    under ``torch.compile``. ``topk_scores_TK`` is read only for ``policy="probs"``.
+    ``counts_E``: the pairs of ``topk_ids_TK`` per expert (the router's ``expert_counts``).
+    Static shapes throughout (sorts and gathers), no host read: traces under
+    ``torch.compile``. ``topk_scores_TK`` is read only for ``policy="probs"``.
     """
     T, K = topk_ids_TK.shape
     ids_N = topk_ids_TK.reshape(-1)
@@ -103,8 +104,6 @@ def capacity_keep(
         order_N = by_score_N.index_select(0, torch.argsort(ids_N[by_score_N], stable=True))
     else:
         order_N = torch.argsort(ids_N, stable=True)
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
-    counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_ids_N = ids_N.index_select(0, order_N)
     rank_N = torch.arange(N, device=ids_N.device) - starts_E.index_select(0, sorted_ids_N)

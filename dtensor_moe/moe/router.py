@@ -274,7 +274,7 @@ class TokenChoiceTopKRouter(nn.Module):
         aux_loss = router_losses(self, logits_TE, scores_TE, topk_ids_TK, loss_tokens)
         capacity = dropped_E = None
         if cfg.capacity_factor is not None:
-            capacity, keep_TK = self.capacity_keep(topk_ids_TK, topk_scores_TK, tokens)
+            capacity, keep_TK = self.capacity_keep(topk_ids_TK, topk_scores_TK, counts_E, tokens)
             owned = slice(None) if tokens.owned is None else tokens.owned
             dropped_TK = topk_ids_TK[owned].masked_fill(keep_TK[owned], cfg.num_experts)
             dropped_E = _counts_below(dropped_TK, cfg.num_experts)
@@ -293,12 +293,17 @@ class TokenChoiceTopKRouter(nn.Module):
         )
 
     def capacity_keep(
-        self, topk_ids_TK: torch.Tensor, topk_scores_TK: torch.Tensor, tokens: RoutedTokens
+        self,
+        topk_ids_TK: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        counts_E: torch.Tensor,
+        tokens: RoutedTokens,
     ) -> tuple[Capacity, torch.Tensor]:
         """The capacity of this forward and which of this rank's pairs are kept (bool
         ``(T, K)``): the single-device rule on the whole batch (Note [Expert capacity] in
-        ``capacity.py``). One all-gather of the routing table on the tp mesh when the batch's
-        tokens are split over it; none otherwise."""
+        ``capacity.py``). ``counts_E``: this rank's selected pairs per expert, which are the
+        batch's when the rank routes the whole batch. One all-gather of the routing table on
+        the tp mesh when the batch's tokens are split over it; none otherwise."""
         cfg = self.config
         multiple = cfg.pad_multiple if cfg.pad_to_capacity else 1
         capacity = Capacity(
@@ -312,12 +317,10 @@ class TokenChoiceTopKRouter(nn.Module):
             padded=cfg.pad_to_capacity,
         )
         ids_bK, scores_bK, mine = tokens.batch_table(topk_ids_TK, topk_scores_TK)
+        if mine is not None:
+            counts_E = expert_counts(ids_bK, cfg.num_experts)
         keep_bK = capacity_keep(
-            ids_bK,
-            scores_bK,
-            capacity=capacity.per_expert,
-            num_experts=cfg.num_experts,
-            policy=cfg.drop_policy,
+            ids_bK, scores_bK, counts_E, capacity=capacity.per_expert, policy=cfg.drop_policy
         )
         return capacity, keep_bK if mine is None else keep_bK.index_select(0, mine)
 

@@ -115,6 +115,7 @@ from dtensor_moe.moe.dispatch import (
     scores_in_rows,
     sort_by_expert,
     unpermute_and_reduce,
+    weighted_row_sum,
 )
 from dtensor_moe.moe.experts import _grouped_mm_supported
 from dtensor_moe.parallel.mesh import local_rank, mesh_ranks
@@ -342,12 +343,11 @@ class _ExpertParallelStep(torch.autograd.Function):
         own_out, own_saved = _swiglu_forward(own_RD, *weights, offs_own, own_gate_RH)
         out_ND[n_send:].copy_(own_out)
         out_work.wait()
-        # Combine: y[t] = sum_x s[t, x] * out[row(t, x)], in x order (T x D temporaries only).
+        # Combine: y[t] = sum_x s[t, x] * out[row(t, x)], the shared weighted sum (x order, T x D
+        # temporaries only; Note [Deterministic combine] in dtensor_moe/moe/dispatch.py).
         row_XT = row_N.view(T, X).t().contiguous()
         s_TX = scores_TX.to(x_TD.dtype)
-        y_TD = out_ND.index_select(0, row_XT[0]).mul_(s_TX[:, :1])
-        for x in range(1, X):
-            y_TD.addcmul_(out_ND.index_select(0, row_XT[x]), s_TX[:, x : x + 1])
+        y_TD = weighted_row_sum(out_ND, row_XT.t(), s_TX)
         ctx.route = route
         hidden = () if recompute else (*own_saved, *recv_saved)
         ctx.save_for_backward(
@@ -668,6 +668,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             row_TK=layout.row_TK,
             scores_TK=scores_TX,
             void_row=layout.void_row,
+            order_N=layout.order_N if layout.row_N is None else None,
             input_splits=tuple(input_splits),
             output_splits=tuple(output_splits),
             received_row_M1=local.row_TK,
@@ -800,7 +801,11 @@ class AllToAllTokenDispatcher(TokenDispatcher):
                 self.mesh,
             )
             y_TD = unpermute_and_reduce(
-                returned_ND, metadata.row_TK, metadata.scores_TK, void_row=metadata.void_row
+                returned_ND,
+                metadata.row_TK,
+                metadata.scores_TK,
+                order_N=metadata.order_N,
+                void_row=metadata.void_row,
             )
         return self._finish(y_TD)
 

@@ -230,10 +230,7 @@ class _PermuteTokens(torch.autograd.Function):
         (row_TK,) = ctx.saved_tensors
         if ctx.void_row:
             grad_RD = _with_void_row(grad_RD)
-        grad_TD = grad_RD.index_select(0, row_TK[:, 0])
-        for k in range(1, row_TK.shape[1]):
-            grad_TD.add_(grad_RD.index_select(0, row_TK[:, k]))
-        return grad_TD, None, None, None, None, None
+        return sum_rows(grad_RD, row_TK), None, None, None, None, None
 
 
 def permute_tokens(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
@@ -287,6 +284,15 @@ def weighted_row_sum(out_RD: torch.Tensor, row_TK: torch.Tensor, s_TK: torch.Ten
     y_TD = out_RD.index_select(0, row_TK[:, 0]).mul_(s_TK[:, :1])
     for k in range(1, row_TK.shape[1]):
         y_TD.addcmul_(out_RD.index_select(0, row_TK[:, k]), s_TK[:, k : k + 1])
+    return y_TD
+
+
+def sum_rows(src_RD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
+    """``y_TD[t] = sum_k src_RD[row_TK[t, k]]``, added in ``k`` order: the gradient of every
+    token gather (Note [Deterministic combine]). ``row_TK`` may be a transposed view."""
+    y_TD = src_RD.index_select(0, row_TK[:, 0])
+    for k in range(1, row_TK.shape[1]):
+        y_TD.add_(src_RD.index_select(0, row_TK[:, k]))
     return y_TD
 
 

@@ -87,6 +87,7 @@ from dtensor_moe.moe.dispatch import (
     TokenDispatcher,
     combine_row_grads,
     combine_score_grads,
+    sum_rows,
     weighted_row_sum,
 )
 
@@ -340,9 +341,7 @@ class _RoutedSwiGLU(torch.autograd.Function):
             grad_x_RD = torch._grouped_mm(grad_h1_RH, w1_eHD, offs=offs_e).add_(
                 torch._grouped_mm(grad_h3_RH, w3_eHD, offs=offs_e)
             )
-            grad_x_TD = grad_x_RD.index_select(0, row_TK[:, 0])
-            for k in range(1, K):
-                grad_x_TD.add_(grad_x_RD.index_select(0, row_TK[:, k]))
+            grad_x_TD = sum_rows(grad_x_RD, row_TK)
         return grad_x_TD, grad_scores_TK, grad_w1, grad_w2, grad_w3, *(None,) * 5
 
 

@@ -114,6 +114,7 @@ from dtensor_moe.moe.dispatch import (
     permute_tokens,
     scores_in_rows,
     sort_by_expert,
+    sum_rows,
     unpermute_and_reduce,
     weighted_row_sum,
 )
@@ -413,9 +414,7 @@ class _ExpertParallelStep(torch.autograd.Function):
         grad_w3.add_(recv_w3)
         grad_sent_ND[n_send:].copy_(grad_x_own)
         work.wait()
-        grad_x_TD = grad_sent_ND.index_select(0, row_XT[0])
-        for x in range(1, X):
-            grad_x_TD.add_(grad_sent_ND.index_select(0, row_XT[x]))
+        grad_x_TD = sum_rows(grad_sent_ND, row_XT.t())
         return (grad_x_TD, grad_scores_TX, grad_w1, grad_w2, grad_w3, *(None,) * 7)
 
 

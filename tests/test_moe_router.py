@@ -79,6 +79,27 @@ def test_group_scores_use_top_two_experts():
     assert sorted(router(x_TD).topk_ids_TK[0].tolist()) == [4, 5]
 
 
+@pytest.mark.parametrize("per_group", [1, 2, 32])
+def test_group_scores_equal_topk_sums_with_ties(per_group):
+    """The group scores (max, then amax with the best masked) are the values the plain
+    ``topk(2).values.sum(-1)`` rule gives, bit for bit, ties included; the masked experts
+    follow."""
+    from dtensor_moe.moe.router import _limit_to_top_groups
+
+    groups, limited = 8, 3
+    torch.manual_seed(0)
+    select_TE = torch.rand(64, groups * per_group)
+    select_TE[:8] = 0.5  # every expert tied
+    select_TE[8:16, :2] = 0.75  # two tied best experts in group 0 (or groups 0 and 1)
+    select_TE[16:24] = torch.randint(0, 3, (8, groups * per_group)) / 4.0  # many ties
+    select_TGS = select_TE.view(64, groups, per_group)
+    reference_TG = select_TGS.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+    top_TL = reference_TG.topk(limited, dim=-1).indices
+    keep_TG = torch.zeros(64, groups, dtype=torch.bool).scatter_(1, top_TL, True)
+    expected_TE = select_TGS.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(64, -1)
+    assert torch.equal(_limit_to_top_groups(select_TE, groups, limited), expected_TE)
+
+
 def test_expert_bias_changes_selection_not_weights():
     router = make_router(use_expert_bias=True, top_k=1)
     x_TD = torch.randn(16, D)

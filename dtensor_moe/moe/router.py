@@ -144,12 +144,18 @@ def _limit_to_top_groups(
 ) -> torch.Tensor:
     """Mask (``-inf``) the experts outside each token's ``num_limited`` best groups.
 
-    A group's score is the sum of its two best expert scores (one when a group has one expert).
+    A group's score is the sum of its two best expert scores (one when a group has one expert):
+    the best by ``max``, the second by ``amax`` with the best masked, the same values in the same
+    order as ``topk(2).values.sum(-1)`` gives, at a quarter of its CPU time
+    (``tests/test_moe_router.py``).
     """
     T, E = select_TE.shape
     select_TGS = select_TE.view(T, num_groups, E // num_groups)
-    best = min(2, E // num_groups)
-    group_scores_TG = select_TGS.topk(best, dim=-1).values.sum(dim=-1)
+    best_TG1, at_TG1 = select_TGS.max(dim=-1, keepdim=True)
+    group_scores_TG = best_TG1.squeeze(-1)
+    if E // num_groups > 1:
+        second_TG = select_TGS.scatter(-1, at_TG1, float("-inf")).amax(dim=-1)
+        group_scores_TG = group_scores_TG + second_TG
     top_groups_TL = group_scores_TG.topk(num_limited, dim=-1).indices
     keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, top_groups_TL, True)
     return select_TGS.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)

@@ -246,6 +246,20 @@ def _block_sums(counts: list[int], e: int) -> list[int]:
     return [sum(counts[i : i + e]) for i in range(0, len(counts), e)]
 
 
+def _row_dots(a_ND: torch.Tensor, b_ND: torch.Tensor, block: int) -> torch.Tensor:
+    """``torch.linalg.vecdot(a_ND, b_ND)`` (a product, then a sum over the last dim: the same
+    bits), ``block`` rows at a time through one scratch buffer instead of an ``N x D``
+    temporary (a fresh buffer of that size costs page faults on CPU)."""
+    N, block = a_ND.shape[0], max(block, 1)
+    dots_N = a_ND.new_empty(N)
+    scratch = a_ND.new_empty(min(block, N), a_ND.shape[-1])
+    for start in range(0, N, block):
+        stop = min(start + block, N)
+        prod = torch.mul(a_ND[start:stop], b_ND[start:stop], out=scratch[: stop - start])
+        torch.sum(prod, dim=-1, out=dots_N[start:stop])
+    return dots_N
+
+
 @dataclass(frozen=True, slots=True)
 class _Route:
     """Where the rows of one forward go: fixed by the routing, kept for the backward.
@@ -378,7 +392,7 @@ class _ExpertParallelStep(torch.autograd.Function):
         grad_ND = grad_TD.index_select(0, token_N)
         grad_scores_TX = None
         if ctx.needs_input_grad[1]:
-            dots_N = torch.linalg.vecdot(grad_ND, out_ND)
+            dots_N = _row_dots(grad_ND, out_ND, T)
             grad_scores_TX = dots_N.index_select(0, row_N).view(T, X).to(scores_TX.dtype)
         scores_N = scores_TX.to(grad_TD.dtype).reshape(-1).index_select(0, order_N)
         grad_ND.mul_(scores_N.unsqueeze(-1))

@@ -19,6 +19,9 @@ public equivalent in torch 2.13; a helper here would only rename them.
         the global-batch router statistics (traceable under torch.compile)
     dtensor_moe/parallel/token_parallel.py: torch.distributed._functional_collectives -- the
         all-gather of the routing table for expert capacity over a tp group (traceable)
+    dtensor_moe/moe/dispatch.py: torch.ops.aten._embedding_bag_per_sample_weights_backward --
+        the combine's score gradient: every (token, k) dot product in one pass, no temporaries
+        (the per-sample-weight gradient of embedding_bag, whose forward is the combine)
     dtensor_moe/optim/clip.py: torch._foreach_norm -- as torch.nn.utils.clip_grad_norm_ uses it
     dtensor_moe/optim/clip.py: torch._foreach_mul_ -- as torch.nn.utils.clip_grad_norm_ uses it
     dtensor_moe/optim/fused.py: torch._ops.OpOverload -- the type of the aten overloads

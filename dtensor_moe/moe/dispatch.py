@@ -21,15 +21,18 @@ one forward needs goes into its metadata (a frozen dataclass that may subclass
 
 Note [Deterministic combine]: no step accumulates with atomics or ``index_add``. Forward
 gathers rows by index. The weighted combine adds each token's ``K`` weighted rows in ``k``
-order (one gather and one ``addcmul`` per ``k``: ``T x D`` temporaries only, never the
-``(T * K, D)`` gathered rows; :func:`weighted_row_sum`). The backward of the token gather adds
-the ``K`` row gradients of each token in ``k`` order (one gather per ``k``); the backward of
-the combine writes each row's gradient to its unique routed row (``index_copy``, or one gather
-by the inverse permutation when there is no padding), and the score gradient is one dot
-product per ``k``. Results are the same bits run to run, on CPU and on accelerators.
+order, in one pass with no temporary: ``embedding_bag`` in ``"sum"`` mode with the scores as
+per-sample weights, which reads each token's rows by index and accumulates them in bag order
+(:func:`weighted_row_sum`; never the ``(T * K, D)`` gathered rows). The backward of the token
+gather adds the ``K`` row gradients of each token in ``k`` order the same way, unweighted
+(:func:`sum_rows`); the backward of the combine writes each row's gradient to its unique
+routed row (``index_copy``, or one gather by the inverse permutation when there is no
+padding), and the score gradient is one dot product per ``k``. Results are the same bits run to
+run, on CPU and on accelerators. Every path (plain, fused routed step, expert-parallel step)
+calls these helpers, so they give the same bits as one another.
 """
 
-# ruff: noqa: N803, N806, N815
+# ruff: noqa: N803, N806, N812, N815
 
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from dtensor_moe.moe.capacity import Capacity
 
@@ -279,33 +283,36 @@ class _UnpermuteRows(torch.autograd.Function):
 
 
 def weighted_row_sum(out_RD: torch.Tensor, row_TK: torch.Tensor, s_TK: torch.Tensor) -> torch.Tensor:
-    """``y_TD[t] = sum_k s_TK[t, k] * out_RD[row_TK[t, k]]``, added in ``k`` order with ``T x D``
-    temporaries only (Note [Deterministic combine]); ``s_TK`` in ``out_RD``'s dtype."""
-    y_TD = out_RD.index_select(0, row_TK[:, 0]).mul_(s_TK[:, :1])
-    for k in range(1, row_TK.shape[1]):
-        y_TD.addcmul_(out_RD.index_select(0, row_TK[:, k]), s_TK[:, k : k + 1])
-    return y_TD
+    """``y_TD[t] = sum_k s_TK[t, k] * out_RD[row_TK[t, k]]``, added in ``k`` order in one pass
+    (Note [Deterministic combine]); ``s_TK`` in ``out_RD``'s dtype. ``row_TK`` may be a
+    transposed view."""
+    return F.embedding_bag(row_TK, out_RD, per_sample_weights=s_TK, mode="sum")
 
 
 def sum_rows(src_RD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
-    """``y_TD[t] = sum_k src_RD[row_TK[t, k]]``, added in ``k`` order: the gradient of every
-    token gather (Note [Deterministic combine]). ``row_TK`` may be a transposed view."""
-    y_TD = src_RD.index_select(0, row_TK[:, 0])
-    for k in range(1, row_TK.shape[1]):
-        y_TD.add_(src_RD.index_select(0, row_TK[:, k]))
-    return y_TD
+    """``y_TD[t] = sum_k src_RD[row_TK[t, k]]``, added in ``k`` order in one pass: the gradient
+    of every token gather (Note [Deterministic combine]). ``row_TK`` may be a transposed view."""
+    return F.embedding_bag(row_TK, src_RD, mode="sum")
 
 
 def combine_score_grads(
     grad_TD: torch.Tensor, out_RD: torch.Tensor, row_TK: torch.Tensor
 ) -> torch.Tensor:
     """The gradient of :func:`weighted_row_sum` with respect to ``s_TK``: the dot product of each
-    token's gradient with each of its rows (``T x D`` temporaries only)."""
-    return torch.stack(
-        [torch.linalg.vecdot(grad_TD, out_RD.index_select(0, row_TK[:, k]))
-         for k in range(row_TK.shape[1])],
-        dim=1,
+    token's gradient with each of its rows, ``(T, K)``, in one pass with no temporaries (the
+    per-sample-weight gradient of ``embedding_bag``, whose forward is the combine). ``row_TK``
+    may be a transposed view."""
+    T, K = row_TK.shape
+    dev = row_TK.device
+    dots_N = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+        grad_TD.contiguous(),
+        out_RD,
+        row_TK.reshape(-1),
+        torch.arange(0, T * K, K, device=dev),  # bag offsets
+        torch.arange(T, device=dev).repeat_interleave(K),  # bag of each index
+        0,  # mode "sum"
     )
+    return dots_N.view(T, K)
 
 
 def combine_row_grads(

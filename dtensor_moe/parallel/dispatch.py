@@ -111,6 +111,7 @@ from dtensor_moe.moe.capacity import Capacity
 from dtensor_moe.moe.dispatch import (
     DispatchMetadata,
     TokenDispatcher,
+    combine_score_grads,
     permute_tokens,
     scores_in_rows,
     sort_by_expert,
@@ -246,20 +247,6 @@ def _block_sums(counts: list[int], e: int) -> list[int]:
     return [sum(counts[i : i + e]) for i in range(0, len(counts), e)]
 
 
-def _row_dots(a_ND: torch.Tensor, b_ND: torch.Tensor, block: int) -> torch.Tensor:
-    """``torch.linalg.vecdot(a_ND, b_ND)`` (a product, then a sum over the last dim: the same
-    bits), ``block`` rows at a time through one scratch buffer instead of an ``N x D``
-    temporary (a fresh buffer of that size costs page faults on CPU)."""
-    N, block = a_ND.shape[0], max(block, 1)
-    dots_N = a_ND.new_empty(N)
-    scratch = a_ND.new_empty(min(block, N), a_ND.shape[-1])
-    for start in range(0, N, block):
-        stop = min(start + block, N)
-        prod = torch.mul(a_ND[start:stop], b_ND[start:stop], out=scratch[: stop - start])
-        torch.sum(prod, dim=-1, out=dots_N[start:stop])
-    return dots_N
-
-
 @dataclass(frozen=True, slots=True)
 class _Route:
     """Where the rows of one forward go: fixed by the routing, kept for the backward.
@@ -358,16 +345,14 @@ class _ExpertParallelStep(torch.autograd.Function):
         own_out, own_saved = _swiglu_forward(own_RD, *weights, offs_own, own_gate_RH)
         out_ND[n_send:].copy_(own_out)
         out_work.wait()
-        # Combine: y[t] = sum_x s[t, x] * out[row(t, x)], the shared weighted sum (x order, T x D
-        # temporaries only; Note [Deterministic combine] in dtensor_moe/moe/dispatch.py).
-        row_XT = row_N.view(T, X).t().contiguous()
-        s_TX = scores_TX.to(x_TD.dtype)
-        y_TD = weighted_row_sum(out_ND, row_XT.t(), s_TX)
+        # Combine: y[t] = sum_x s[t, x] * out[row(t, x)], the shared weighted sum (x order, one
+        # pass; Note [Deterministic combine] in dtensor_moe/moe/dispatch.py).
+        y_TD = weighted_row_sum(out_ND, row_N.view(T, X), scores_TX.to(x_TD.dtype))
         ctx.route = route
         hidden = () if recompute else (*own_saved, *recv_saved)
         ctx.save_for_backward(
-            x_TD, routed_RD, *weights, out_ND, scores_TX, order_N, token_N, row_N, row_XT,
-            token_M, row_M, *hidden,
+            x_TD, routed_RD, *weights, out_ND, scores_TX, order_N, token_N, row_N, token_M,
+            row_M, *hidden,
         )  # fmt: skip
         return y_TD
 
@@ -380,20 +365,21 @@ class _ExpertParallelStep(torch.autograd.Function):
             )
         saved = ctx.saved_tensors
         x_TD, routed_RD, weights = saved[0], saved[1], saved[2:5]
-        out_ND, scores_TX, order_N, token_N, row_N, row_XT, token_M, row_M = saved[5:13]
-        hidden = saved[13:]
+        out_ND, scores_TX, order_N, token_N, row_N, token_M, row_M = saved[5:12]
+        hidden = saved[12:]
         route = ctx.route
-        (X, T), D, n_send = row_XT.shape, out_ND.shape[-1], route.n_send
+        T, X = scores_TX.shape
+        D, n_send, row_TX = out_ND.shape[-1], route.n_send, row_N.view(T, X)
         own_saved = _swiglu_saved(
             x_TD.index_select(0, token_N[n_send:]), hidden[:2], weights, route.offs_own
         )
-        # Each sorted row's token gradient: the score's gradient is its dot product with the
-        # row's output, and the row's gradient is it times the score.
+        # The score's gradient is the dot product of the token's gradient with the row's output
+        # (the shared helper, as the plain combine's backward); each sorted row's gradient is the
+        # token's gradient times the score.
         grad_ND = grad_TD.index_select(0, token_N)
         grad_scores_TX = None
         if ctx.needs_input_grad[1]:
-            dots_N = _row_dots(grad_ND, out_ND, T)
-            grad_scores_TX = dots_N.index_select(0, row_N).view(T, X).to(scores_TX.dtype)
+            grad_scores_TX = combine_score_grads(grad_TD, out_ND, row_TX).to(scores_TX.dtype)
         scores_N = scores_TX.to(grad_TD.dtype).reshape(-1).index_select(0, order_N)
         grad_ND.mul_(scores_N.unsqueeze(-1))
         grad_recv_MD = grad_TD.new_empty(route.n_recv, D)
@@ -428,7 +414,7 @@ class _ExpertParallelStep(torch.autograd.Function):
         grad_w3.add_(recv_w3)
         grad_sent_ND[n_send:].copy_(grad_x_own)
         work.wait()
-        grad_x_TD = sum_rows(grad_sent_ND, row_XT.t())
+        grad_x_TD = sum_rows(grad_sent_ND, row_TX)
         return (grad_x_TD, grad_scores_TX, grad_w1, grad_w2, grad_w3, *(None,) * 7)
 
 

@@ -381,8 +381,8 @@ def unpermute_and_reduce(
     ``row_TK`` may name row ``R``, which reads as zeros (pairs dropped for capacity; Note
     [The void row]).
 
-    The weighted sum runs in one autograd node, :class:`_WeightedCombine`, with ``T x D``
-    temporaries only (no ``(T * K, D)`` gather of the rows). The result is never a view: FSDP2
+    The weighted sum runs in one autograd node, :class:`_WeightedCombine`, in one pass (no
+    ``(T * K, D)`` gather of the rows; Note [Deterministic combine]). The result is never a view: FSDP2
     warns about a wrapped module (the experts) that returns one, since an in-place op on it
     would skip FSDP's pre-backward hook.
     """

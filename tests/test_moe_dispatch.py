@@ -241,3 +241,29 @@ def test_combine_result_is_not_a_view(K, weighted):
     want = out_RD[row_TK]
     want = want.sum(1) if scores_TK is None else (want * scores_TK.unsqueeze(-1)).sum(1)
     torch.testing.assert_close(y_TD, want)
+
+
+@pytest.mark.parametrize("T,K", [(13, 1), (13, 3), (0, 2)])
+def test_combine_helpers_match_explicit_sums(T, K):
+    """The one-pass combine helpers (embedding_bag sums and its per-sample-weight gradient)
+    against explicit float64 sums and dot products, with ``row_TK`` given as a transposed view
+    (the expert-parallel step's layout) and with rows that repeat (a void row)."""
+    from dtensor_moe.moe.dispatch import combine_score_grads, sum_rows, weighted_row_sum
+
+    g = torch.Generator().manual_seed(T + K)
+    R = 2 * T + 1
+    out_RD = torch.randn(R, D, generator=g)
+    row_TK = torch.randint(0, R, (K, T), generator=g).t()  # a transposed view
+    s_TK = torch.rand(T, K, generator=g)
+    grad_TD = torch.randn(T, D, generator=g)
+    rows_TKD = out_RD.double()[row_TK]
+    torch.testing.assert_close(
+        weighted_row_sum(out_RD, row_TK, s_TK),
+        (rows_TKD * s_TK.double().unsqueeze(-1)).sum(1).float(),
+    )
+    torch.testing.assert_close(sum_rows(out_RD, row_TK), rows_TKD.sum(1).float())
+    torch.testing.assert_close(
+        combine_score_grads(grad_TD, out_RD, row_TK),
+        (rows_TKD * grad_TD.double().unsqueeze(1)).sum(-1).float(),
+    )
+    assert combine_score_grads(grad_TD, out_RD, row_TK).shape == (T, K)

@@ -78,14 +78,20 @@ RUNS = [  # (layout, case, capacity options): every layout kind, both policies, 
 class CapacityParityTest(DistTestBase):
     @with_comms
     def test_ep_and_sp_drop_as_one_device(self):
+        # Without pad_to_capacity both EP exchanges run: the one-node overlapped step (the
+        # dropped pairs sort last and are not sent) and the plain functional-collective path.
         for name, case, options in RUNS:
-            run = ShardwiseRun(LAYOUTS[name], case, self.rank, **CAPACITY, **options)
-            run_steps(run, f"{name} {case} {options}")
+            for overlap in (True,) if options.get("pad_to_capacity") else (True, False):
+                run = ShardwiseRun(
+                    LAYOUTS[name], case, self.rank, overlap=overlap, **CAPACITY, **options
+                )
+                run_steps(run, f"{name} {case} {options} overlap={overlap}")
 
     @with_comms
     def test_static_exchange_has_no_count_exchange(self):
         """Note [Static exchange at capacity]: 2 forward all-to-alls instead of 3 (no count
-        exchange), and no host read of sizes."""
+        exchange), and no host read of sizes. Without padding the one-node overlapped step runs
+        (its exchanges are ``c10d.alltoall_base_``), with the count exchange."""
         counts = {}
         for padded in (False, True):
             meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
@@ -106,7 +112,7 @@ class CapacityParityTest(DistTestBase):
         self.assertExpectedInline(
             "\n".join(f"{k}: {v}" for k, v in counts.items()),
             """\
-pad_to_capacity=False: forward {'c10d_functional.all_to_all_single': 3}, backward {'c10d_functional.all_to_all_single': 2}
+pad_to_capacity=False: forward {'c10d.alltoall_base_': 3}, backward {'c10d.alltoall_base_': 2}
 pad_to_capacity=True: forward {'c10d_functional.all_to_all_single': 2}, backward {'c10d_functional.all_to_all_single': 2}""",  # noqa: E501
         )
 

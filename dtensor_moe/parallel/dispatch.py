@@ -88,10 +88,14 @@ gradients match the autograd of ``permute_tokens`` -> ``grouped_swiglu`` ->
 ``unpermute_and_reduce`` up to float rounding (the combine adds the ``X`` rows of a token in
 ``x`` order).
 
-With ``pad_multiple > 1``, ``score_before_experts``, or a compute path other than
-``grouped_mm`` (an unsupported dtype or alignment, or a forced ``loop``/``bmm``), the plain
-``dispatch`` / ``compute`` / ``combine`` path runs instead, with the same collectives through
-``all_to_all_single_autograd``.
+With ``pad_multiple > 1``, ``score_before_experts``, ``pad_to_capacity`` (the static exchange
+of Note [Static exchange at capacity]), or a compute path other than ``grouped_mm`` (an
+unsupported dtype or alignment, or a forced ``loop``/``bmm``), the plain ``dispatch`` /
+``compute`` / ``combine`` path runs instead, with the same collectives through
+``all_to_all_single_autograd``. A capacity without padding runs here: its dropped pairs get
+destination ``G`` (one past every expert), whose sort key puts them after the own rows; they
+are neither sent nor computed, their output rows are zero, and their rows' gradients are
+dropped (Note [The void row] in ``dtensor_moe/moe/dispatch.py``).
 """
 
 # ruff: noqa: N803, N806, N815
@@ -252,6 +256,8 @@ class _Route:
     """Where the rows of one forward go: fixed by the routing, kept for the backward.
 
     ``send``/``recv``: rows to and from each rank (0 for this rank: its own rows stay).
+    ``n_kept``: the sorted rows that go to an expert, sent or own; the rows after them are
+    pairs dropped for capacity (Note [The void row] in ``dtensor_moe/moe/dispatch.py``).
     ``offs_own``/``offs_recv``: ``grouped_mm`` group ends of the own and the received rows.
     """
 
@@ -260,6 +266,7 @@ class _Route:
     recv: list[int]
     n_send: int
     n_recv: int
+    n_kept: int
     offs_own: torch.Tensor
     offs_recv: torch.Tensor
 
@@ -311,6 +318,7 @@ class _ExpertParallelStep(torch.autograd.Function):
         sent, received = torch.stack((counts_X, counts_in)).tolist()
         P = len(sent) // e
         send, recv = _block_sums(sent, e), _block_sums(received, e)
+        n_kept = sum(sent)  # the rows past it were dropped for capacity: key G, sorted last
         send[me] = recv[me] = 0
         n_send, n_recv = sum(send), sum(recv)
         recv_MD = x_TD.new_empty(n_recv, D)
@@ -327,9 +335,10 @@ class _ExpertParallelStep(torch.autograd.Function):
             sum(received[q * e + j] for q in range(P)) - received[me * e + j] for j in range(e)
         ]
         offs_own = _offsets(sent[me * e : (me + 1) * e], dev)
-        route = _Route(group, send, recv, n_send, n_recv, offs_own, _offsets(recv_e, dev))
+        offs_recv = _offsets(recv_e, dev)
+        route = _Route(group, send, recv, n_send, n_recv, n_kept, offs_own, offs_recv)
         weights = (w1_eHD, w2_eDH, w3_eHD)
-        own_RD = sent_ND[n_send:]
+        own_RD = sent_ND[n_send:n_kept]
         # A third of the own rows' math before the token exchange's wait, two thirds before the
         # output exchange's: the second wait is the longer one (Note [Overlapped all-to-all]).
         own_gate_RH = _gmm(own_RD, w1_eHD.transpose(-2, -1), offs_own)
@@ -343,7 +352,8 @@ class _ExpertParallelStep(torch.autograd.Function):
             out_ND[:n_send], back_MD, send, recv, group=group, async_op=True
         )
         own_out, own_saved = _swiglu_forward(own_RD, *weights, offs_own, own_gate_RH)
-        out_ND[n_send:].copy_(own_out)
+        out_ND[n_send:n_kept].copy_(own_out)
+        out_ND[n_kept:].zero_()  # dropped pairs add nothing and their scores get no gradient
         out_work.wait()
         # Combine: y[t] = sum_x s[t, x] * out[row(t, x)], the shared weighted sum (x order, one
         # pass; Note [Deterministic combine] in dtensor_moe/moe/dispatch.py).
@@ -369,9 +379,10 @@ class _ExpertParallelStep(torch.autograd.Function):
         hidden = saved[12:]
         route = ctx.route
         T, X = scores_TX.shape
-        D, n_send, row_TX = out_ND.shape[-1], route.n_send, row_N.view(T, X)
+        D, row_TX = out_ND.shape[-1], row_N.view(T, X)
+        n_send, n_kept = route.n_send, route.n_kept
         own_saved = _swiglu_saved(
-            x_TD.index_select(0, token_N[n_send:]), hidden[:2], weights, route.offs_own
+            x_TD.index_select(0, token_N[n_send:n_kept]), hidden[:2], weights, route.offs_own
         )
         # The score's gradient is the dot product of the token's gradient with the row's output
         # (the shared helper, as the plain combine's backward); each sorted row's gradient is the
@@ -387,7 +398,7 @@ class _ExpertParallelStep(torch.autograd.Function):
             grad_recv_MD, grad_ND[:n_send], route.recv, route.send, group=route.group, async_op=True
         )
         # The own rows' whole backward while the output gradients travel.
-        grad_own = grad_ND[n_send:]
+        grad_own = grad_ND[n_send:n_kept]
         grad_x_own, own_grad_gate, own_grad_up = _swiglu_input_grad(
             grad_own, own_saved, weights, route.offs_own
         )
@@ -412,7 +423,8 @@ class _ExpertParallelStep(torch.autograd.Function):
         recv_w1, recv_w3 = _w13_grads(recv_saved, grad_gate, grad_up, route.offs_recv)
         grad_w1.add_(recv_w1)
         grad_w3.add_(recv_w3)
-        grad_sent_ND[n_send:].copy_(grad_x_own)
+        grad_sent_ND[n_send:n_kept].copy_(grad_x_own)
+        grad_sent_ND[n_kept:].zero_()  # dropped pairs: no gradient to their tokens
         work.wait()
         grad_x_TD = sum_rows(grad_sent_ND, row_TX)
         return (grad_x_TD, grad_scores_TX, grad_w1, grad_w2, grad_w3, *(None,) * 7)
@@ -724,8 +736,10 @@ class AllToAllTokenDispatcher(TokenDispatcher):
 
         See Note [Overlapped all-to-all]. Falls back to ``dispatch`` / ``compute`` /
         ``combine`` without a mesh, with ``overlap=False``, with ``pad_multiple > 1``, with
-        ``score_before_experts``, with a ``capacity``, and when the experts do not run on the
-        ``grouped_mm`` path.
+        ``score_before_experts``, with ``pad_to_capacity`` (the static exchange of Note [Static
+        exchange at capacity]), and when the experts do not run on the ``grouped_mm`` path. A
+        capacity without padding runs here: the dropped pairs sort after every kept one and
+        are neither sent nor computed (Note [The void row]).
         """
         static = capacity is not None and capacity.padded
         if self.mesh is not None and torch.compiler.is_compiling() and not static:
@@ -736,7 +750,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             return self._finish(y_TD)
         plain = (
             self.mesh is None
-            or capacity is not None
+            or static
             or not self.overlap
             or self.pad_multiple != 1
             or self.score_before_experts
@@ -748,9 +762,14 @@ class AllToAllTokenDispatcher(TokenDispatcher):
                 experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity
             )
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
-        self._check_distinct_tokens(x_TD)
+        self._check_distinct_tokens(x_TD, capacity)
         ids_TX, scores_TX, counts_X = self._destinations(topk_scores_TK, topk_ids_TK, counts_E)
-        key_G = torch.tensor(self._send_key, device=ids_TX.device)
+        G = len(self._send_key)
+        if capacity is not None:
+            # Dropped pairs (expert id E) get destination G, whose key sorts after every kept
+            # pair's (Note [The void row] in dtensor_moe/moe/dispatch.py).
+            ids_TX = ids_TX.clamp(max=G)
+        key_G = torch.tensor((*self._send_key, G), device=ids_TX.device)
         e = self.num_experts // self.ep_size
         y_TD = _ExpertParallelStep.apply(
             x_TD, scores_TX, *weights, ids_TX, counts_X,

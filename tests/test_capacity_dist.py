@@ -68,6 +68,7 @@ RUNS = [  # (layout, case, capacity options): every layout kind, both policies, 
     ("sp2ep2", Case(2, 7, 2, 1), dict(drop_policy="position")),
     ("sp2ep2", Case(2, 7, 2, 0), dict(drop_policy="probs", pad_to_capacity=True)),
     ("ep2tp2", Case(2, 7, 2, 0), dict(drop_policy="probs", pad_to_capacity=True)),
+    ("ep2tp2", Case(2, 7, 2, 1), dict(drop_policy="position")),  # dropped rows x etp replicas
     ("tp2ep2", Case(2, 7, 2, 1), dict(drop_policy="probs", score_before_experts=True)),
     ("etp2_gather", Case(2, 7, 1, 0), dict(drop_policy="position", pad_to_capacity=True)),
     ("sp2ep2", Case(1, 1, 2, 0), dict(drop_policy="probs")),  # a tp rank with no token

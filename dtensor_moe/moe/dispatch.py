@@ -382,9 +382,9 @@ def unpermute_and_reduce(
     [The void row]).
 
     The weighted sum runs in one autograd node, :class:`_WeightedCombine`, in one pass (no
-    ``(T * K, D)`` gather of the rows; Note [Deterministic combine]). The result is never a view: FSDP2
-    warns about a wrapped module (the experts) that returns one, since an in-place op on it
-    would skip FSDP's pre-backward hook.
+    ``(T * K, D)`` gather of the rows; Note [Deterministic combine]). The result is never a
+    view: FSDP2 warns about a wrapped module (the experts) that returns one, since an in-place
+    op on it would skip FSDP's pre-backward hook.
     """
     T, K = row_TK.shape
     if void_row:

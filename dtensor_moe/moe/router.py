@@ -145,9 +145,9 @@ def _limit_to_top_groups(
     """Mask (``-inf``) the experts outside each token's ``num_limited`` best groups.
 
     A group's score is the sum of its two best expert scores (one when a group has one expert):
-    the best by ``max``, the second by ``amax`` with the best masked, the same values in the same
-    order as ``topk(2).values.sum(-1)`` gives, at a quarter of its CPU time
-    (``tests/test_moe_router.py``).
+    the best by ``max``, the second by ``amax`` with the best masked: the same values in the same
+    order as ``topk(2).values.sum(-1)`` (``tests/test_moe_router.py``), in a fraction of its CPU
+    time for wide groups (``benchmarks/combine.py``).
     """
     T, E = select_TE.shape
     select_TGS = select_TE.view(T, num_groups, E // num_groups)

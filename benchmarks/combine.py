@@ -1,4 +1,4 @@
-"""The one-pass combine and the group scores against the per-``k`` loops they replaced, side by side.
+"""The one-pass combine and the group scores against the per-``k`` loops they replaced.
 
 Shape legend: T tokens, D dim, K experts per token, R routed rows (``T * K``), E experts.
 

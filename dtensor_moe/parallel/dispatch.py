@@ -115,6 +115,7 @@ from dtensor_moe.moe.capacity import Capacity
 from dtensor_moe.moe.dispatch import (
     DispatchMetadata,
     TokenDispatcher,
+    combine_row_grads,
     combine_score_grads,
     permute_tokens,
     scores_in_rows,
@@ -384,15 +385,14 @@ class _ExpertParallelStep(torch.autograd.Function):
         own_saved = _swiglu_saved(
             x_TD.index_select(0, token_N[n_send:n_kept]), hidden[:2], weights, route.offs_own
         )
-        # The score's gradient is the dot product of the token's gradient with the row's output
-        # (the shared helper, as the plain combine's backward); each sorted row's gradient is the
-        # token's gradient times the score.
-        grad_ND = grad_TD.index_select(0, token_N)
+        # The combine's backward, by the plain combine's helpers: the score's gradient is the
+        # dot product of the token's gradient with the row's output; each sorted row's gradient
+        # is the token's gradient times the score (one gather: the rows are the pairs, sorted).
         grad_scores_TX = None
         if ctx.needs_input_grad[1]:
             grad_scores_TX = combine_score_grads(grad_TD, out_ND, row_TX).to(scores_TX.dtype)
-        scores_N = scores_TX.to(grad_TD.dtype).reshape(-1).index_select(0, order_N)
-        grad_ND.mul_(scores_N.unsqueeze(-1))
+        s_TX = scores_TX.to(grad_TD.dtype)
+        grad_ND = combine_row_grads(grad_TD, s_TX, row_TX, out_ND.shape[0], order_N)
         grad_recv_MD = grad_TD.new_empty(route.n_recv, D)
         work = dist.all_to_all_single(
             grad_recv_MD, grad_ND[:n_send], route.recv, route.send, group=route.group, async_op=True

@@ -48,16 +48,17 @@ def reference_keep(ids_TK, scores_TK, capacity, policy):
     return keep
 
 
-def reference_forward(moe: MoE, x: torch.Tensor, policy: str, factor: float):
+def reference_forward(moe: MoE, x: torch.Tensor, policy: str, factor: float, fixed=None):
     """Dense reference: softmax router, top-k, drop rule, per-token SwiGLU matmuls (on the
-    scaled token with ``score_before_experts``)."""
+    scaled token with ``score_before_experts``). ``fixed``: the capacity, instead of one from
+    ``factor``."""
     before = moe.config.score_before_experts
     B, L, _ = x.shape
     x_TD = x.reshape(-1, D)
     scores_TE = F.softmax(F.linear(x_TD, moe.router.gate.weight).float(), dim=-1)
     ids_TK = scores_TE.detach().topk(K, dim=-1).indices
     scores_TK = scores_TE.gather(-1, ids_TK)
-    C = math.ceil(factor * B * L * K / E - 1e-9)
+    C = math.ceil(factor * B * L * K / E - 1e-9) if fixed is None else fixed
     keep = reference_keep(ids_TK, scores_TK.detach(), C, policy)
     w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
     rows = []
@@ -124,6 +125,54 @@ def test_matches_dense_reference(padded, policy, path, before):
         close(param_grads[name], grad, f"{where}: {name}.grad")
     assert moe.router.dropped_per_expert.tolist() == dropped, where
     assert moe.router.tokens_per_expert.sum().item() == 2 * 7 * K  # the selection, pre-drop
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_fixed_capacity_matches_dense_reference(padded, policy):
+    """``capacity_per_expert``: the same capacity for batches of every size (3 pairs per expert
+    here, for 2 to 28 pairs per batch), against the reference with that capacity."""
+    moe = make(capacity_factor=None, capacity_per_expert=3, drop_policy=policy,
+               pad_to_capacity=padded)
+    ref = copy.deepcopy(moe)
+    for B, L in ((1, 1), (2, 3), (2, 7)):
+        x = torch.randn(B, L, D)
+        moe_before = moe.router.dropped_per_expert.clone()
+        y, x_grad, param_grads = grads(moe, x, lambda m, x: m(x))
+        out = {}
+
+        def ref_fn(m, x, out=out):
+            y_ref, out["dropped"] = reference_forward(m, x, policy, 0.0, fixed=3)
+            return y_ref
+
+        y_ref, x_grad_ref, ref_grads = grads(ref, x, ref_fn)
+        where = f"padded={padded} policy={policy} B={B} L={L}"
+        if B * L * K > 3 * E:
+            assert sum(out["dropped"]) > 0, f"{where}: the case must drop some pairs"
+        close(y, y_ref, f"{where}: output")
+        close(x_grad, x_grad_ref, f"{where}: x.grad")
+        for name, grad in ref_grads.items():
+            close(param_grads[name], grad, f"{where}: {name}.grad")
+        dropped = (moe.router.dropped_per_expert - moe_before).tolist()
+        assert dropped == out["dropped"], where
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_fixed_capacity_equals_factor_capacity(padded):
+    """``capacity_per_expert=C`` is bit for bit the ``capacity_factor`` whose capacity is
+    ``C`` for this batch, and rounds up to ``pad_multiple`` alike with ``pad_to_capacity``."""
+    x = torch.randn(2, 7, D)
+    extra = dict(pad_multiple=4) if padded else {}
+    by_factor = make(capacity_factor=0.5, pad_to_capacity=padded, **extra)  # C = ceil(3.5) = 4
+    fixed = make(capacity_factor=None, capacity_per_expert=3 if padded else 4,
+                 pad_to_capacity=padded, **extra)  # padded: 3 rounds up to 4
+    y0, gx0, g0 = grads(by_factor, x, lambda m, x: m(x))
+    y1, gx1, g1 = grads(fixed, x, lambda m, x: m(x))
+    assert torch.equal(y1, y0) and torch.equal(gx1, gx0)
+    assert all(torch.equal(g1[name], g0[name]) for name in g0)
+    assert fixed.router.dropped_per_expert.tolist() == by_factor.router.dropped_per_expert.tolist()
+    assert fixed.router.dropped_per_expert.sum() > 0
+    assert "capacity_per_expert=" in repr(fixed.router)
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
@@ -202,6 +251,9 @@ def test_compile_matches_eager(padded):
     moe = make(pad_to_capacity=padded, dim=64, hidden_dim=128, num_experts=8)
     x = torch.randn(2, 13, 64)
     assert_matches_eager(moe, x, torch.float32, "aot_eager", what=f"padded={padded}")
+    fixed = make(capacity_factor=None, capacity_per_expert=5, pad_to_capacity=padded, dim=64,
+                 hidden_dim=128, num_experts=8)
+    assert_matches_eager(fixed, x, torch.float32, "aot_eager", what=f"fixed, padded={padded}")
 
 
 def test_compile_graph_breaks():
@@ -254,6 +306,14 @@ def test_config_errors():
         MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=K, capacity_factor=0.0)
     with pytest.raises(ValueError, match="capacity_factor must be a positive finite"):
         MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=K, capacity_factor=float("inf"))
+    for bad in (0, -1, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="capacity_per_expert must be a positive int"):
+            MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=K, capacity_per_expert=bad)
+    with pytest.raises(ValueError, match="sets both capacity_factor=1.0 and capacity_per_exp"):
+        MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=K, capacity_factor=1.0,
+                  capacity_per_expert=4)
+    assert MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=K, capacity_per_expert=4,
+                     pad_to_capacity=True).has_capacity
     with pytest.raises(ValueError, match="drop_policy='random' is not one of"):
         MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=K, capacity_factor=1.0,
                   drop_policy="random")

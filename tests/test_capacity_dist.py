@@ -30,7 +30,7 @@ from tests import (
     test_parallel_compile,  # its helpers; not its test class (collected twice)
 )
 from tests._dist import DistTestBase
-from tests.test_parallel_moe import LAYOUTS, Case, ParallelRun, make_config, run_steps
+from tests.test_parallel_moe import D, LAYOUTS, Case, ParallelRun, make_config, run_steps
 
 CAPACITY = dict(capacity_factor=0.5)  # C = ceil(0.5 * B * L * K / E): many drops
 
@@ -62,6 +62,47 @@ class ShardwiseRun(ParallelRun):
         return expected
 
 
+class RaggedRun(ShardwiseRun):
+    """:class:`ShardwiseRun` whose data shards have different lengths, which change from step
+    to step (``L + (shard + step) % dp``): with ``capacity_per_expert`` the capacity, and so
+    the static exchange's sizes, are the same on every rank for every batch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps_done = 0
+        self.mine = self.shard.start // self.case.B
+
+    def forward_backward(self):
+        dp, B, L = self.meshes.dp, self.case.B, self.case.L
+        lengths = [L + (d + self.steps_done) % dp for d in range(dp)]
+        self.steps_done += 1
+        gen = torch.Generator().manual_seed(self.steps_done)
+        xs = [torch.randn(B, n, D, generator=gen) for n in lengths]
+        gs = [torch.randn(B, n, D, generator=gen) for n in lengths]
+        xs_ref = [x.clone().requires_grad_() for x in xs]
+        ys, aux_values = [], []
+        with collect_aux_losses() as aux_ref:
+            for x_ref in xs_ref:
+                ys.append(self.ref(x_ref))
+                aux_values.append(self.ref.router.last_aux_loss)
+        loss_ref = sum((y * g).sum() for y, g in zip(ys, gs, strict=True)) / dp
+        (loss_ref + aux_ref.total() / dp).backward()
+        self.ref.router.last_aux_loss = torch.stack(aux_values).mean()
+        x = xs[self.mine].clone().requires_grad_()
+        with collect_aux_losses() as aux:
+            y = self.model(x)
+        ((y * gs[self.mine]).sum() + aux.total()).backward()
+        dropped = self.model.router.dropped_per_expert.clone()
+        dist.all_reduce(dropped)
+        ref_dropped = self.ref.router.dropped_per_expert.clone()
+        assert ref_dropped.sum() > 0, "the case must drop some pairs"
+        return {
+            "y": (y.detach(), ys[self.mine].detach()),
+            "x.grad": (x.grad / dp, xs_ref[self.mine].grad),
+            "dropped pairs per expert": (dropped.double(), ref_dropped.double()),
+        }
+
+
 RUNS = [  # (layout, case, capacity options): every layout kind, both policies, both layouts
     ("ep4", Case(2, 7, 2, 1), dict(drop_policy="probs")),
     ("ep4", Case(2, 7, 2, 0), dict(drop_policy="position", pad_to_capacity=True)),
@@ -87,6 +128,22 @@ class CapacityParityTest(DistTestBase):
                     LAYOUTS[name], case, self.rank, overlap=overlap, **CAPACITY, **options
                 )
                 run_steps(run, f"{name} {case} {options} overlap={overlap}")
+
+    @with_comms
+    def test_fixed_capacity_with_different_batches_per_rank(self):
+        """``capacity_per_expert`` under EP4: every rank routes a batch of its own length (5 to
+        8 tokens a sequence, changing every step), both exchanges: the static one
+        (``pad_to_capacity``) and the overlapped and plain unpadded ones."""
+        for options, overlaps in (
+            (dict(drop_policy="position", pad_to_capacity=True), (True,)),
+            (dict(drop_policy="probs"), (True, False)),
+        ):
+            for overlap in overlaps:
+                run = RaggedRun(
+                    LAYOUTS["ep4"], Case(2, 5, 2, 1), self.rank, overlap=overlap,
+                    capacity_per_expert=2, **options,
+                )
+                run_steps(run, f"ep4 ragged {options} overlap={overlap}")
 
     @with_comms
     def test_static_exchange_has_no_count_exchange(self):
@@ -129,7 +186,8 @@ pad_to_capacity=True: forward {'c10d_functional.all_to_all_single': 2}, backward
         with self.assertRaisesRegex(
             ValueError,
             r"needs the same expert capacity on every rank, got rank 0: 3, rank 1: 2, rank 2: "
-            r"2, rank 3: 2 .* give every rank the same batch shape",
+            r"2, rank 3: 2 .* give every rank the same batch shape \(B, L\), or set a fixed "
+            r"capacity_per_expert instead",
         ):
             moe(x)
 

@@ -1,4 +1,4 @@
-"""Expert capacity and token dropping (``MoEConfig.capacity_factor``).
+"""Expert capacity and token dropping (``MoEConfig.capacity_factor``, ``capacity_per_expert``).
 
 Shape legend:
     T  tokens of the batch one forward routes (all tp ranks' tokens under token parallelism)
@@ -8,8 +8,9 @@ Note [Expert capacity]
 ~~~~~~~~~~~~~~~~~~~~~~
 With ``capacity_factor = f`` each expert takes at most ``C = ceil(f * T * K / E)`` of the
 (token, expert) pairs of one forward's batch (rounded up to ``pad_multiple`` with
-``pad_to_capacity``). ``T`` is the batch the layer sees as a whole, which is what a single
-device running that batch sees:
+``pad_to_capacity``); with ``capacity_per_expert = c`` it takes at most ``C = c`` pairs (rounded
+up alike), whatever the batch. ``T`` is the batch the layer sees as a whole, which is what a
+single device running that batch sees:
 
 * one process, and data or expert parallelism over data ranks: the rank's own micro-batch
   (capacity is per rank, as in Megatron-Core), so a rank drops exactly the pairs a single

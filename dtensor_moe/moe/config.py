@@ -74,9 +74,14 @@ class MoEConfig:
         capacity_factor: each expert takes at most ``ceil(capacity_factor * T * K / E)``
             of the (token, expert) pairs of one forward's batch of ``T`` tokens and drops the
             rest; ``None`` (default): dropless. See Note [Expert capacity] in ``capacity.py``.
-        drop_policy: with ``capacity_factor``, which pairs an over-subscribed expert keeps:
+        capacity_per_expert: instead of ``capacity_factor``, a fixed capacity: each expert
+            takes at most this many pairs of a forward's batch, whatever its size. With
+            ``pad_to_capacity`` every shape of the expert-parallel exchange is then the same
+            for every batch, so ranks may route batches of different sizes. ``None``
+            (default): the capacity, if any, comes from ``capacity_factor``; set at most one.
+        drop_policy: with a capacity, which pairs an over-subscribed expert keeps:
             ``"probs"`` (its highest combine weights) or ``"position"`` (its earliest tokens).
-        pad_to_capacity: with ``capacity_factor``, pad every expert's row group to exactly the
+        pad_to_capacity: with a capacity, pad every expert's row group to exactly the
             capacity, so that every shape is static (no host read of counts; the sync-free
             expert-parallel exchange).
         init_std: standard deviation of the normal initialisation of all weights.
@@ -105,6 +110,7 @@ class MoEConfig:
     recompute_experts: bool = False
     fused_routed_step: bool = True
     capacity_factor: float | None = None
+    capacity_per_expert: int | None = None
     drop_policy: DropPolicy = "probs"
     pad_to_capacity: bool = False
     init_std: float = 0.02
@@ -114,6 +120,12 @@ class MoEConfig:
         self._check_routing()
         self._check_groups()
         self._check_capacity()
+
+    @property
+    def has_capacity(self) -> bool:
+        """Whether experts have a capacity and drop pairs beyond it (``capacity_factor`` or
+        ``capacity_per_expert`` set); ``False``: dropless."""
+        return self.capacity_factor is not None or self.capacity_per_expert is not None
 
     @property
     def shared_hidden_total(self) -> int:
@@ -223,6 +235,19 @@ class MoEConfig:
                 f"MoEConfig.capacity_factor must be a positive finite number or None "
                 f"(dropless), got {factor!r}"
             )
+        fixed = self.capacity_per_expert
+        if fixed is not None and (
+            isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 1
+        ):
+            raise ValueError(
+                f"MoEConfig.capacity_per_expert must be a positive int or None, got {fixed!r}"
+            )
+        if fixed is not None and factor is not None:
+            raise ValueError(
+                f"MoEConfig sets both capacity_factor={factor!r} and capacity_per_expert="
+                f"{fixed!r}; set one: a capacity that scales with the batch (capacity_factor) "
+                "or a fixed one (capacity_per_expert)"
+            )
         if self.drop_policy not in _DROP_POLICIES:
             raise ValueError(
                 f"MoEConfig.drop_policy={self.drop_policy!r} is not one of {_DROP_POLICIES}"
@@ -231,8 +256,8 @@ class MoEConfig:
             raise TypeError(
                 f"MoEConfig.pad_to_capacity must be a bool, got {self.pad_to_capacity!r}"
             )
-        if self.pad_to_capacity and factor is None:
+        if self.pad_to_capacity and not self.has_capacity:
             raise ValueError(
                 "MoEConfig.pad_to_capacity=True needs a capacity; set capacity_factor (for "
-                "example 1.25) or leave pad_to_capacity False"
+                "example 1.25) or capacity_per_expert, or leave pad_to_capacity False"
             )

@@ -559,7 +559,7 @@ def _plain_steps(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_
 # would break the graph deep inside the dispatch and recompile for new counts.
 _plain_steps_eagerly = torch.compiler.disable(
     _plain_steps,
-    reason="pad_multiple > 1, or capacity_factor without pad_to_capacity, lays the routed rows "
+    reason="pad_multiple > 1, or a capacity without pad_to_capacity, lays the routed rows "
     "out by counts read on the host, so dispatch, experts and combine run eagerly: one graph "
     "break; pad_multiple=1 (dropless) or pad_to_capacity=True keeps them in the graph",
 )

@@ -64,9 +64,9 @@ class RouterOutput:
             :func:`~dtensor_moe.moe.balance.attach_aux_loss`, which collects or attaches it
             (Note [Auxiliary loss follows the loss] in ``balance.py``).
         capacity: the capacity of this forward, handed to the dispatcher; ``None`` (dropless)
-            without ``capacity_factor``.
+            without a capacity (``capacity_factor`` or ``capacity_per_expert``).
         dropped_E: the pairs of ``count_E``'s tokens dropped for capacity, per expert (what
-            this rank adds to ``dropped_per_expert``); ``None`` without ``capacity_factor``.
+            this rank adds to ``dropped_per_expert``); ``None`` without a capacity.
     """
 
     topk_scores_TK: torch.Tensor
@@ -196,7 +196,7 @@ class TokenChoiceTopKRouter(nn.Module):
         ``tokens_per_expert`` (E, int64, not persistent): tokens routed to each expert since
         the last :func:`~dtensor_moe.moe.update_expert_bias`, counted in training mode and not
         again during activation-checkpoint recompute.
-        ``dropped_per_expert`` (E, int64, not persistent; only with ``capacity_factor``): the
+        ``dropped_per_expert`` (E, int64, not persistent; only with a capacity): the
         part of ``tokens_per_expert`` that the experts dropped for capacity, counted alike.
 
     The logits are computed in the gate weight's dtype (the input is cast to it): a float32 gate
@@ -223,7 +223,7 @@ class TokenChoiceTopKRouter(nn.Module):
         self.register_buffer("expert_bias", bias, persistent=True)
         counts = torch.zeros(config.num_experts, dtype=torch.int64)
         self.register_buffer("tokens_per_expert", counts, persistent=False)
-        dropped = None if config.capacity_factor is None else torch.zeros_like(counts)
+        dropped = torch.zeros_like(counts) if config.has_capacity else None
         self.register_buffer("dropped_per_expert", dropped, persistent=False)
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
@@ -279,7 +279,7 @@ class TokenChoiceTopKRouter(nn.Module):
         loss_tokens = tokens.loss_tokens(logits_TE.shape[0], logits_TE.device)
         aux_loss = router_losses(self, logits_TE, scores_TE, topk_ids_TK, loss_tokens)
         capacity = dropped_E = None
-        if cfg.capacity_factor is not None:
+        if cfg.has_capacity:
             capacity, keep_TK = self.capacity_keep(topk_ids_TK, topk_scores_TK, counts_E, tokens)
             owned = slice(None) if tokens.owned is None else tokens.owned
             dropped_TK = topk_ids_TK[owned].masked_fill(keep_TK[owned], cfg.num_experts)
@@ -312,16 +312,17 @@ class TokenChoiceTopKRouter(nn.Module):
         the tp mesh when the batch's tokens are split over it; none otherwise."""
         cfg = self.config
         multiple = cfg.pad_multiple if cfg.pad_to_capacity else 1
-        capacity = Capacity(
-            per_expert=expert_capacity(
+        if cfg.capacity_per_expert is not None:
+            per_expert = -(-cfg.capacity_per_expert // multiple) * multiple
+        else:
+            per_expert = expert_capacity(
                 tokens.num_sequences * tokens.seq_len,
                 top_k=cfg.top_k,
                 num_experts=cfg.num_experts,
                 factor=cfg.capacity_factor,
                 multiple=multiple,
-            ),
-            padded=cfg.pad_to_capacity,
-        )
+            )
+        capacity = Capacity(per_expert=per_expert, padded=cfg.pad_to_capacity)
         ids_bK, scores_bK, mine = tokens.batch_table(topk_ids_TK, topk_scores_TK)
         if mine is not None:
             counts_E = expert_counts(ids_bK, cfg.num_experts)
@@ -401,6 +402,16 @@ class TokenChoiceTopKRouter(nn.Module):
             f"num_experts={cfg.num_experts}, top_k={cfg.top_k}, score_func={cfg.score_func!r}, "
             f"expert_bias={cfg.use_expert_bias}, aux_loss_coeff={cfg.aux_loss_coeff}, "
             f"aux_loss_type={cfg.aux_loss_type!r}, z_loss_coeff={cfg.z_loss_coeff}"
-            + ("" if cfg.capacity_factor is None else f", capacity_factor={cfg.capacity_factor}, "
-               f"drop_policy={cfg.drop_policy!r}, pad_to_capacity={cfg.pad_to_capacity}")
+            + (
+                f", {_capacity_repr(cfg)}, drop_policy={cfg.drop_policy!r}, "
+                f"pad_to_capacity={cfg.pad_to_capacity}"
+                if cfg.has_capacity
+                else ""
+            )
         )
+
+
+def _capacity_repr(cfg: MoEConfig) -> str:
+    if cfg.capacity_per_expert is not None:
+        return f"capacity_per_expert={cfg.capacity_per_expert}"
+    return f"capacity_factor={cfg.capacity_factor}"

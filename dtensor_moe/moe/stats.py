@@ -42,8 +42,9 @@ class LayerLoad:
             balanced); ``nan`` when no token was counted.
         dead: experts that received no token.
         dropped: (token, expert) pairs that the experts dropped for lack of capacity (part of
-            ``total``; 0 without ``MoEConfig.capacity_factor``: routing is dropless).
-        dropped_per_expert: ``dropped`` per expert (all 0 without a capacity factor).
+            ``total``; 0 without a capacity (``MoEConfig.capacity_factor`` or
+            ``capacity_per_expert``): routing is dropless).
+        dropped_per_expert: ``dropped`` per expert (all 0 without a capacity).
     """
 
     name: str

@@ -476,9 +476,11 @@ def _check_equal_capacity(capacities: list[int], mesh: DeviceMesh, ranks: tuple[
     per_rank = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, capacities, strict=True))
     raise ValueError(
         f"pad_to_capacity under expert parallelism over {mesh} needs the same expert capacity "
-        f"on every rank, got {per_rank} (-1: no pad_to_capacity). The capacity follows the "
-        "number of tokens a forward routes, so give every rank the same batch shape (B, L), "
-        "or set pad_to_capacity=False (the exchange then reads its sizes on the host)"
+        f"on every rank, got {per_rank} (-1: no pad_to_capacity). A capacity_factor's capacity "
+        "follows the number of tokens a forward routes, so give every rank the same batch "
+        "shape (B, L), or set a fixed capacity_per_expert instead (the same on every rank "
+        "for any batch), or set pad_to_capacity=False (the exchange then reads its sizes on "
+        "the host)"
     )
 
 
@@ -502,8 +504,9 @@ _eager_run_experts = torch.compiler.disable(_eager_run_experts, reason=_EAGER_RE
 # sync-free path). The received rows are ``(P, e, C)`` blocks (source rank, local expert,
 # slot); a transpose groups them by local expert, ``P * C`` rows each, and combine undoes it
 # before the exchange back. Collectives: forward ``all_to_all_single`` x 2 (tokens, outputs),
-# backward x 2. It needs the same ``C``, so the same batch shape, on every rank of the mesh:
-# checked with the identical-tokens check (Note [Ranks with identical tokens]).
+# backward x 2. It needs the same ``C`` on every rank of the mesh: with ``capacity_factor``,
+# the same batch shape (checked with the identical-tokens check, Note [Ranks with identical
+# tokens]); ``capacity_per_expert`` fixes ``C`` for every batch, so batches may differ.
 
 
 class AllToAllTokenDispatcher(TokenDispatcher):

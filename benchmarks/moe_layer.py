@@ -15,6 +15,7 @@ Run::
     python benchmarks/moe_layer.py --layout ep4 --compile  # + torch.compile(moe), side by side
     python benchmarks/moe_layer.py --preset deepseek-v3    # also mixtral, qwen3; any layout
     python benchmarks/moe_layer.py --capacity-factor 1.25 --pad-to-capacity  # token dropping
+    python benchmarks/moe_layer.py --device cuda --dtype bf16   # one GPU (layout single)
 
 Layouts: ``--layout`` picks an entry of ``LAYOUTS``. The parallel layouts (``PARALLEL``) launch
 ``world`` gloo processes with ``--threads`` threads each; every rank routes ``--tokens``
@@ -111,9 +112,9 @@ def _build(args: argparse.Namespace) -> tuple[MoE, torch.Tensor, torch.Tensor]:
         **PRESETS[args.preset]["config"] if args.preset else {},
     )
     dtype = DTYPES[args.dtype]
-    moe = MoE(config).to(dtype)
-    x = torch.randn(1, args.tokens, args.dim, dtype=dtype, requires_grad=True)
-    grad_y = torch.randn(1, args.tokens, args.dim, dtype=dtype)
+    moe = MoE(config).to(device=args.device, dtype=dtype)  # the same weights on every device
+    x = torch.randn(1, args.tokens, args.dim, dtype=dtype).to(args.device).requires_grad_()
+    grad_y = torch.randn(1, args.tokens, args.dim, dtype=dtype).to(args.device)
     return moe, x, grad_y
 
 
@@ -133,6 +134,18 @@ def _timed_cpu(fn: Callable[[], None]) -> tuple[float, float]:
     cpu = time.process_time()
     wall = _timed(fn)
     return wall, time.process_time() - cpu
+
+
+def _timed_synced(fn: Callable[[], None]) -> tuple[float, float]:
+    """:func:`_timed_cpu` of ``fn`` on an accelerator: the device's queue is drained before the
+    clock starts and inside the timed call, so the time is that of the kernels ``fn`` queued."""
+    torch.accelerator.synchronize()
+
+    def run() -> None:
+        fn()
+        torch.accelerator.synchronize()
+
+    return _timed_cpu(run)
 
 
 def _step_fn(layer: Callable, x: torch.Tensor, grad_y: torch.Tensor) -> Callable[[], None]:
@@ -231,7 +244,8 @@ def run_single(args: argparse.Namespace) -> dict[str, object]:
     fns = {"step": _step_fn(moe, x, grad_y)}
     if args.compile:
         fns["compiled"] = _step_fn(_compiled(moe, args), x, grad_y)
-    measured = _measure(_timed_cpu, args, {**fns, "floor": floor})
+    timer = _timed_cpu if args.device == "cpu" else _timed_synced
+    measured = _measure(timer, args, {**fns, "floor": floor})
     wall = _medians(measured["times"], 0)
     result = {
         "path": path,
@@ -506,6 +520,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--shared", type=int, default=0, help="number of shared experts")
     p.add_argument("--path", default="auto", choices=["auto", "grouped_mm", "loop", "bmm"])
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--device", default="cpu",
+                   help="layout single only: where the layer runs, e.g. cuda (default cpu)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=21)
@@ -553,6 +569,14 @@ def _parse() -> argparse.Namespace:
         p.error("--compile-mode needs --compile-backend inductor")
     if args.pad_to_capacity and args.capacity_factor is None:
         p.error("--pad-to-capacity needs --capacity-factor")
+    if args.device != "cpu" and args.layout in PARALLEL:
+        p.error(f"--device {args.device} needs --layout single (the parallel layouts run gloo "
+                "processes on CPU)")
+    if args.device != "cpu":
+        try:
+            torch.empty(0, device=args.device)
+        except (RuntimeError, AssertionError) as err:
+            p.error(f"--device {args.device} is not available here: {err}")
     if args.free_exchanges and args.layout not in PARALLEL:
         p.error("--free-exchanges needs a parallel --layout")
     if args.preset:
@@ -579,6 +603,7 @@ def main() -> None:
         + f"layout={args.layout} tokens={args.tokens} dim={args.dim} hidden={args.hidden} "
         f"experts={args.experts} top_k={args.top_k} shared={args.shared} dtype={args.dtype} "
         f"threads={args.threads} repeats={args.repeats}"
+        + (f" device={args.device}" if args.device != "cpu" else "")
         + (" free_exchanges (diagnostic: outputs are wrong)" if args.free_exchanges else "")
         + (" no_overlap (plain EP path)" if args.no_overlap else "")
         + (" plain_routed_step" if args.plain_routed_step else "")

@@ -27,9 +27,11 @@ per-sample weights, which reads each token's rows by index and accumulates them 
 gather adds the ``K`` row gradients of each token in ``k`` order the same way, unweighted
 (:func:`sum_rows`); the backward of the combine writes each row's gradient to its unique
 routed row (``index_copy``, or one gather by the inverse permutation when there is no
-padding), and the score gradient is one dot product per ``k``. Results are the same bits run to
-run, on CPU and on accelerators. Every path (plain, fused routed step, expert-parallel step)
-calls these helpers, so they give the same bits as one another.
+padding), and the score gradients, one dot product per pair, are ``embedding_bag``'s
+per-sample-weight gradient, in one pass (:func:`combine_score_grads`). Results are the same
+bits run to run on CPU (tested); the accelerator kernels of these ops do not use atomics either,
+but that is not tested here. Every path (plain, fused routed step, expert-parallel step)
+calls these helpers; the plain path and the fused routed step give the same bits as each other.
 """
 
 # ruff: noqa: N803, N806, N812, N815

@@ -108,6 +108,7 @@ def _build(args: argparse.Namespace) -> tuple[MoE, torch.Tensor, torch.Tensor]:
         compute_path=args.path,
         fused_routed_step=not args.plain_routed_step,
         capacity_factor=args.capacity_factor,
+        capacity_per_expert=args.capacity_per_expert,
         pad_to_capacity=args.pad_to_capacity,
         **PRESETS[args.preset]["config"] if args.preset else {},
     )
@@ -510,8 +511,10 @@ def _parse() -> argparse.Namespace:
                    help="a real model's routing, scaled down (sets experts, top-k, hidden, shared)")
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="MoEConfig.capacity_factor: drop pairs over capacity (default dropless)")
+    p.add_argument("--capacity-per-expert", type=int, default=None,
+                   help="MoEConfig.capacity_per_expert: a fixed capacity instead of a factor")
     p.add_argument("--pad-to-capacity", action="store_true",
-                   help="MoEConfig.pad_to_capacity: static shapes (needs --capacity-factor)")
+                   help="MoEConfig.pad_to_capacity: static shapes (needs a capacity)")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--hidden", type=int, default=512)
@@ -567,8 +570,10 @@ def _parse() -> argparse.Namespace:
         p.error("--nested-graph-breaks needs --compile")
     if args.compile_mode != "default" and args.compile_backend != "inductor":
         p.error("--compile-mode needs --compile-backend inductor")
-    if args.pad_to_capacity and args.capacity_factor is None:
-        p.error("--pad-to-capacity needs --capacity-factor")
+    if args.capacity_factor is not None and args.capacity_per_expert is not None:
+        p.error("--capacity-factor and --capacity-per-expert: give one")
+    if args.pad_to_capacity and args.capacity_factor is None and args.capacity_per_expert is None:
+        p.error("--pad-to-capacity needs --capacity-factor or --capacity-per-expert")
     if args.device != "cpu" and args.layout in PARALLEL:
         p.error(f"--device {args.device} needs --layout single (the parallel layouts run gloo "
                 "processes on CPU)")
@@ -608,6 +613,7 @@ def main() -> None:
         + (" no_overlap (plain EP path)" if args.no_overlap else "")
         + (" plain_routed_step" if args.plain_routed_step else "")
         + (f" capacity_factor={args.capacity_factor}" if args.capacity_factor else "")
+        + (f" capacity_per_expert={args.capacity_per_expert}" if args.capacity_per_expert else "")
         + (" pad_to_capacity" if args.pad_to_capacity else "")
     )
     rows = "rows per rank" if args.layout in PARALLEL else "rows per expert"

@@ -52,8 +52,8 @@ Plain autograd over those steps saves the gathered rows (``R x D``), both pre-ac
 Backward otherwise runs the plain path's autograd backward op for op: the combine's backward
 (the same helpers, ``combine_row_grads`` and ``combine_score_grads`` in ``dispatch.py``: each
 row's gradient is ``s * g`` by one gather, the score gradients one dot product per pair in one
-pass), then ``grouped_mm``'s backward formulas, ``silu_backward``, and the permute's backward (the ``K`` row gradients
-added in ``k`` order). So the output and every gradient are the same bits as the plain path's
+pass), then ``grouped_mm``'s backward formulas, ``silu_backward``, and the permute's backward
+(the ``K`` row gradients added in ``k`` order). So the output and every gradient are the same bits as the plain path's
 (``tests/test_moe_memory.py``: ``torch.equal`` against ``fused_routed_step=False`` in float32
 and bf16, with and without ``recompute_experts``). ``MoEConfig.fused_routed_step=False``
 always takes the plain path. The other paths (``loop``/``bmm``, padding,

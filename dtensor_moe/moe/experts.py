@@ -53,17 +53,16 @@ Backward otherwise runs the plain path's autograd backward op for op: the combin
 (the same helpers, ``combine_row_grads`` and ``combine_score_grads`` in ``dispatch.py``: each
 row's gradient is ``s * g`` by one gather, the score gradients one dot product per pair in one
 pass), then ``grouped_mm``'s backward formulas, ``silu_backward``, and the permute's backward
-(the ``K`` row gradients added in ``k`` order). So the output and every gradient are the same bits as the plain path's
-(``tests/test_moe_memory.py``: ``torch.equal`` against ``fused_routed_step=False`` in float32
-and bf16, with and without ``recompute_experts``). ``MoEConfig.fused_routed_step=False``
-always takes the plain path. The other paths (``loop``/``bmm``, padding,
-``score_before_experts``, the plain expert-parallel path) keep plain autograd; there
-``recompute_experts`` checkpoints :meth:`GroupedExperts.compute` (its input is all it keeps).
-Under ``torch.compile`` the layer takes the plain path and the compiler's partitioner decides
-what to save. The expert-parallel one-node step saves the same way (Note [Overlapped
-all-to-all] in ``dtensor_moe/parallel/dispatch.py``). ``benchmarks/moe_memory.py`` counts the
-bytes.
-"""
+(the ``K`` row gradients added in ``k`` order). So the output and every gradient are the same
+bits as the plain path's (``tests/test_moe_memory.py``: ``torch.equal`` against
+``fused_routed_step=False`` in float32 and bf16, with and without ``recompute_experts``).
+``MoEConfig.fused_routed_step=False`` always takes the plain path. The other paths
+(``loop``/``bmm``, padding, ``score_before_experts``, the plain expert-parallel path) keep plain
+autograd; there ``recompute_experts`` checkpoints :meth:`GroupedExperts.compute` (its input is
+all it keeps). Under ``torch.compile`` the layer takes the plain path and the compiler's
+partitioner decides what to save. The expert-parallel one-node step saves the same way (Note
+[Overlapped all-to-all] in ``dtensor_moe/parallel/dispatch.py``). ``benchmarks/moe_memory.py``
+counts the bytes. """
 
 # ruff: noqa: N803, N806, N812
 

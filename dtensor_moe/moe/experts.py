@@ -62,7 +62,8 @@ autograd; there ``recompute_experts`` checkpoints :meth:`GroupedExperts.compute`
 all it keeps). Under ``torch.compile`` the layer takes the plain path and the compiler's
 partitioner decides what to save. The expert-parallel one-node step saves the same way (Note
 [Overlapped all-to-all] in ``dtensor_moe/parallel/dispatch.py``). ``benchmarks/moe_memory.py``
-counts the bytes. """
+counts the bytes.
+"""
 
 # ruff: noqa: N803, N806, N812
 

@@ -230,6 +230,59 @@ def test_sum_backward_through_grouped_mm_path():
     assert x.grad is not None and moe.experts.w2.grad is not None
 
 
+def _second_order(moe: MoE, fn, x: torch.Tensor, squared: bool) -> torch.Tensor:
+    """A gradient penalty: ``||d loss / d x||^2`` backpropagated with ``create_graph=True``.
+    ``squared``: the loss is ``sum(y^2)`` (its upstream gradient requires grad); otherwise
+    ``sum(y * W)`` with a fixed ``W`` (it does not: the case once_differentiable gets wrong)."""
+    y = fn(moe, x)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+    loss = y.pow(2).sum() if squared else (y * w).sum()
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)
+    (g.pow(2).sum() + 0.5 * y.sum()).backward()
+    return g.detach()
+
+
+@pytest.mark.parametrize("squared", [False, True])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        dict(num_shared_experts=1, score_func="sigmoid", route_norm=True),
+        dict(compute_path="loop", top_k=3),
+        dict(pad_multiple=4),
+        dict(score_before_experts=True),
+    ],
+    ids=["grouped_mm", "shared_sigmoid", "loop", "padded", "score_before"],
+)
+def test_double_backward_matches_reference(overrides, squared):
+    """Note [Double backward] in dtensor_moe/moe/dispatch.py: with ``fused_routed_step=False``
+    a gradient penalty's gradients (input and every parameter) equal the per-token reference's,
+    which is plain autograd."""
+    moe = make_moe(fused_routed_step=False, **overrides)
+    ref = copy.deepcopy(moe)
+    x = torch.randn(2, 7, D)
+    x_moe, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = _second_order(moe, lambda m, x: m(x), x_moe, squared)
+    g_ref = _second_order(ref, lambda m, x: reference_moe(m, x)[0], x_ref, squared)
+    close(g, g_ref, "first-order input gradient")
+    close(x_moe.grad, x_ref.grad, "x.grad")
+    for (name, p), p_ref in zip(moe.named_parameters(), ref.parameters()):
+        assert p.grad is not None and p_ref.grad is not None, name
+        close(p.grad, p_ref.grad, msg=name)
+
+
+@pytest.mark.parametrize("squared", [False, True])
+def test_fused_step_refuses_double_backward(squared):
+    """The fused routed step's hand-written backward cannot build a graph: it raises rather
+    than drop the second-order terms of its weights (which ``once_differentiable`` would do,
+    silently, when the upstream gradient does not require grad)."""
+    moe = make_moe()
+    x = torch.randn(2, 7, D, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"fused routed step cannot be differentiated twice.*"
+                       r"fused_routed_step=False"):
+        _second_order(moe, lambda m, x: m(x), x, squared)
+
+
 def test_same_bits_run_to_run():
     moe = make_moe(top_k=3, num_shared_experts=1, aux_loss_coeff=0.01)
     x = torch.randn(3, 64, D)

@@ -32,6 +32,7 @@ from dtensor_moe import (
 from dtensor_moe.moe import TokenDispatcher
 from dtensor_moe.parallel import AllToAllTokenDispatcher
 from tests._dist import DistTestBase
+from tests.test_moe_layer import reference_moe
 from tests.test_parallel_moe import (
     LAYOUTS,
     Case,
@@ -162,13 +163,46 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
         with torch.no_grad():
             y_inference = model(x)
         self.assertEqual(y_inference, y.detach(), atol=0, rtol=0)
-        with self.assertRaisesRegex(RuntimeError, "cannot build a graph"):
+        with self.assertRaisesRegex(
+            RuntimeError, r"cannot be differentiated twice .* ExpertParallel\(overlap=False\)"
+        ):
             torch.autograd.grad(_local_loss(y), x, create_graph=True)
         # An expanded upstream gradient (zero strides, from .sum()) is accepted (Note
         # [grouped_mm expanded grad] in dtensor_moe/moe/experts.py).
         (grad_sum,) = torch.autograd.grad(model(x).sum(), x)
         (grad_ones,) = torch.autograd.grad(model(x), x, torch.ones(x.shape))
         self.assertEqual(grad_sum, grad_ones, atol=0, rtol=0)
+
+    @with_comms
+    def test_double_backward_through_the_plain_exchange(self):
+        """Note [Double backward] in dtensor_moe/moe/dispatch.py: under EP4 with the plain
+        exchange (overlap=False), a gradient penalty's gradients equal those of the per-token
+        reference (plain autograd, not the layer): the first-order input gradient, the input's
+        and every parameter's gradient."""
+        config = dict(aux_loss_coeff=0.0, use_expert_bias=False, fused_routed_step=False)
+        model, meshes, _ = _build("ep4", COUNT_CASE, overlap=False, **config)
+        torch.manual_seed(0)
+        ref = MoE(make_config(COUNT_CASE, **config))
+        B, L = COUNT_CASE.B, COUNT_CASE.L
+        X = torch.randn(4 * B, L, D, generator=torch.Generator().manual_seed(5))
+        W = torch.randn(4 * B, L, D, generator=torch.Generator().manual_seed(6))
+        mine = slice(B * self.rank, B * (self.rank + 1))
+
+        def penalty(layer, x, w):
+            (g,) = torch.autograd.grad((layer(x) * w).sum(), x, create_graph=True)
+            g.pow(2).sum().backward()
+            return g.detach()
+
+        x = X[mine].clone().requires_grad_()
+        g = penalty(model, x, W[mine])
+        x_ref = X.clone().requires_grad_()
+        g_ref = penalty(lambda x: reference_moe(ref, x)[0], x_ref, W)
+        close(g, g_ref[mine], "first-order input gradient")
+        close(x.grad, x_ref.grad[mine], "x.grad")
+        ref_params = dict(ref.named_parameters())
+        for name, param in model.named_parameters():
+            local = reduce_grad(name, param, meshes) * meshes.dp  # the sum over ranks
+            close(full(as_param_grad(param, local)), ref_params[name].grad, f"{name}.grad")
 
     @with_comms
     def test_errors_before_any_collective(self):

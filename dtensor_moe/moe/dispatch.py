@@ -354,9 +354,10 @@ class _WeightedCombine(torch.autograd.Function):
         return weighted_row_sum(out_RD, row_TK, scores_TK.to(out_RD.dtype))
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out_RD, row_TK, scores_TK, order_N = ctx.saved_tensors
+        if torch.is_grad_enabled():  # Note [Double backward]
+            return _combine_backward_with_graph(ctx, grad_TD, out_RD, row_TK, scores_TK, order_N)
         grad_out = grad_scores = None
         if ctx.needs_input_grad[0]:
             s_TK = scores_TK.to(out_RD.dtype)
@@ -364,6 +365,50 @@ class _WeightedCombine(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_scores = combine_score_grads(grad_TD, out_RD, row_TK).to(scores_TK.dtype)
         return grad_out, None, grad_scores, None
+
+
+# Note [Double backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A backward with ``create_graph=True`` (a gradient penalty, a Hessian-vector product) runs
+# every node's backward with grad mode on, and differentiates what the backwards compute. The
+# combine's fast backward cannot be differentiated (its score gradient is an aten kernel with
+# no derivative), so in grad mode it takes the same formulas written with differentiable ops:
+# the row gradients ``s * g`` gathered out of place, the score gradients as an explicit
+# ``(T, K, D)`` product summed over ``D`` (equal up to float rounding). The token gathers'
+# backwards are linear in their input and differentiable as they are. So the plain path
+# (``fused_routed_step=False``) gives exact second derivatives (``tests/test_moe_layer.py``
+# against the per-token reference). The fused routed step and the expert-parallel step have
+# hand-written backwards that cannot build a graph: in grad mode they raise, on every rank,
+# before computing anything, instead of returning gradients that silently miss the terms of
+# their saved weights and activations (which is what ``once_differentiable`` does when the
+# incoming gradient does not require grad).
+
+
+def _combine_backward_with_graph(
+    ctx: Any,
+    grad_TD: torch.Tensor,
+    out_RD: torch.Tensor,
+    row_TK: torch.Tensor,
+    scores_TK: torch.Tensor,
+    order_N: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """:class:`_WeightedCombine`'s backward with differentiable ops (Note [Double backward]).
+    The row gradients are :func:`combine_row_grads`' products, out of place (the same bits)."""
+    grad_out = grad_scores = None
+    if ctx.needs_input_grad[0]:
+        K = row_TK.shape[1]
+        s_TK = scores_TK.to(out_RD.dtype)
+        if order_N is not None:
+            token_N = torch.div(order_N, K, rounding_mode="floor")
+            scores_N = s_TK.reshape(-1).index_select(0, order_N)
+            grad_out = grad_TD.index_select(0, token_N) * scores_N.unsqueeze(-1)
+        else:
+            grad_out = out_RD.new_zeros(out_RD.shape)
+            for k in range(K):
+                grad_out = grad_out.index_copy(0, row_TK[:, k], grad_TD * s_TK[:, k : k + 1])
+    if ctx.needs_input_grad[2]:
+        grad_scores = (grad_TD.unsqueeze(1) * out_RD[row_TK]).sum(-1).to(scores_TK.dtype)
+    return grad_out, None, grad_scores, None
 
 
 def unpermute_and_reduce(

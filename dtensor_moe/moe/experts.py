@@ -304,8 +304,14 @@ class _RoutedSwiGLU(torch.autograd.Function):
         return y_TD
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # Note [Double backward] in dispatch.py
+            raise RuntimeError(
+                "the MoE layer's fused routed step cannot be differentiated twice "
+                "(backward with create_graph=True, for a gradient penalty or a Hessian-vector "
+                "product); build the layer with MoEConfig(fused_routed_step=False), whose "
+                "plain path supports it, with the same first-order results"
+            )
         x_TD, scores_TK, w1_eHD, w2_eDH, w3_eHD, token_N, order_N, row_TK, offs_e, *hidden = (
             ctx.saved_tensors
         )

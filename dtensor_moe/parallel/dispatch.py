@@ -371,8 +371,12 @@ class _ExpertParallelStep(torch.autograd.Function):
     def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True; checked on every rank, before any exchange
             raise RuntimeError(
-                "the expert-parallel MoE backward cannot build a graph (create_graph=True, "
-                "double backward is not supported); call backward with create_graph=False"
+                "the overlapped expert-parallel MoE step cannot be differentiated twice "
+                "(backward with create_graph=True, for a gradient penalty or a Hessian-vector "
+                "product); build the layer with ExpertParallel(overlap=False) or "
+                "parallelize_moe(..., ep_overlap=False), whose plain exchange supports it "
+                "(Note [Double backward] in dtensor_moe/moe/dispatch.py), or call backward with "
+                "create_graph=False"
             )
         saved = ctx.saved_tensors
         x_TD, routed_RD, weights = saved[0], saved[1], saved[2:5]

@@ -156,6 +156,21 @@ class _LocalViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        if torch.is_grad_enabled():
+            # create_graph=True (Note [Double backward] in dtensor_moe/moe/dispatch.py): the
+            # direct wrap below would cut the graph, so wrap differentiably, as to_local does.
+            return (
+                None,
+                *(
+                    None
+                    if g is None
+                    else DTensor.from_local(
+                        g.contiguous(), spec.mesh, spec.placements, run_check=False,
+                        shape=spec.shape, stride=spec.stride,
+                    )
+                    for g, spec in zip(grads, ctx.grad_specs)
+                ),
+            )
         return (
             None,
             *(

@@ -205,6 +205,36 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
             close(full(as_param_grad(param, local)), ref_params[name].grad, f"{name}.grad")
 
     @with_comms
+    def test_double_backward_under_sequence_parallelism(self):
+        """The same under SP2 x EP2 (uneven L = 7 over the tp ranks, the plain exchange): the
+        input is a DTensor whose gradient leaves through ``local_views``, whose backward keeps
+        the graph in grad mode (Note [Double backward] in dtensor_moe/moe/dispatch.py)."""
+        config = dict(aux_loss_coeff=0.0, use_expert_bias=False, fused_routed_step=False)
+        model, meshes, layout = _build("sp2ep2", COUNT_CASE, overlap=False, **config)
+        torch.manual_seed(0)
+        ref = MoE(make_config(COUNT_CASE, **config))
+        B, L, dp = COUNT_CASE.B, COUNT_CASE.L, meshes.dp
+        X = torch.randn(dp * B, L, D, generator=torch.Generator().manual_seed(5))
+        W = torch.randn(dp * B, L, D, generator=torch.Generator().manual_seed(6))
+        mine = slice(B * (self.rank // meshes.tp), B * (self.rank // meshes.tp + 1))
+        tp_mesh = meshes.dense["tp"]
+        x = _input(meshes, layout, X[mine])
+        w = distribute_tensor(W[mine], tp_mesh, [Shard(1)]).to_local()
+        (g,) = torch.autograd.grad((model(x).to_local() * w).sum(), x, create_graph=True)
+        g.to_local().pow(2).sum().backward()
+        x_ref = X.clone().requires_grad_()
+        (g_ref,) = torch.autograd.grad(
+            (reference_moe(ref, x_ref)[0] * W).sum(), x_ref, create_graph=True
+        )
+        g_ref.pow(2).sum().backward()
+        close(g.full_tensor(), g_ref[mine].detach(), "first-order input gradient")
+        close(x.grad.full_tensor(), x_ref.grad[mine], "x.grad")
+        ref_params = dict(ref.named_parameters())
+        for name, param in model.named_parameters():
+            local = reduce_grad(name, param, meshes) * dp  # the sum over data shards
+            close(full(as_param_grad(param, local)), ref_params[name].grad, f"{name}.grad")
+
+    @with_comms
     def test_errors_before_any_collective(self):
         cfg = MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=2)
         world = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))

@@ -375,9 +375,12 @@ class _WeightedCombine(torch.autograd.Function):
 # no derivative), so in grad mode it takes the same formulas written with differentiable ops:
 # the row gradients ``s * g`` gathered out of place, the score gradients as an explicit
 # ``(T, K, D)`` product summed over ``D`` (equal up to float rounding). The token gathers'
-# backwards are linear in their input and differentiable as they are. So the plain path
-# (``fused_routed_step=False``) gives exact second derivatives (``tests/test_moe_layer.py``
-# against the per-token reference). The fused routed step and the expert-parallel step have
+# backwards are linear in their input and differentiable as they are, and so is
+# ``_compat.local_views``' (the parallel layouts' local views of DTensor weights and inputs),
+# which wraps gradients with ``DTensor.from_local`` in grad mode. So the plain path
+# (``fused_routed_step=False``) gives exact second derivatives, in one process and under the
+# parallel layouts with the plain exchange (``tests/test_moe_layer.py``,
+# ``tests/test_parallel_styles.py``: against the per-token reference). The fused routed step and the expert-parallel step have
 # hand-written backwards that cannot build a graph: in grad mode they raise, on every rank,
 # before computing anything, instead of returning gradients that silently miss the terms of
 # their saved weights and activations (which is what ``once_differentiable`` does when the

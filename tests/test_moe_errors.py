@@ -123,3 +123,19 @@ def test_update_expert_bias_errors():
         update_expert_bias(nn.Linear(2, 2), 0.1)
     with pytest.raises(ValueError, match="positive rate, got 0"):
         update_expert_bias(MoE(MoEConfig(**BASE, use_expert_bias=True)), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_input_dtype_must_match_the_expert_weights(dtype):
+    """A clear error instead of a matmul's dtype message deep in the experts, with and without
+    autocast (which does not cast the grouped matmuls)."""
+    moe = MoE(MoEConfig(dim=16, hidden_dim=32, num_experts=4, top_k=2))
+    x = torch.randn(2, 3, 16, dtype=dtype)
+    match = rf"experts got input of dtype={dtype} but their weights are torch.float32"
+    with pytest.raises(ValueError, match=match):
+        moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=match):
+        moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a float32 input runs, experts in fp32
+        assert moe(x.float()).dtype == torch.float32
+

@@ -271,6 +271,20 @@ def test_double_backward_matches_reference(overrides, squared):
         close(p.grad, p_ref.grad, msg=name)
 
 
+@pytest.mark.parametrize("overrides", [dict(), dict(pad_multiple=4, num_shared_experts=1)])
+def test_hessian_vector_products_match_reference(overrides):
+    """``torch.autograd.functional.hvp`` (which differentiates the backward once more) and
+    ``vhp`` of the loss with respect to the input, plain path, against the reference."""
+    moe = make_moe(fused_routed_step=False, **overrides)
+    ref = copy.deepcopy(moe)
+    x = torch.randn(2, 7, D)
+    v = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(4))
+    for product in (torch.autograd.functional.hvp, torch.autograd.functional.vhp):
+        _, hv = product(lambda x: moe(x).pow(2).sum(), x, v)
+        _, hv_ref = product(lambda x: reference_moe(ref, x)[0].pow(2).sum(), x, v)
+        close(hv, hv_ref, product.__name__)
+
+
 @pytest.mark.parametrize("squared", [False, True])
 def test_fused_step_refuses_double_backward(squared):
     """The fused routed step's hand-written backward cannot build a graph: it raises rather

@@ -236,6 +236,8 @@ class _PermuteTokens(torch.autograd.Function):
         (row_TK,) = ctx.saved_tensors
         if ctx.void_row:
             grad_RD = _with_void_row(grad_RD)
+        if torch.is_grad_enabled():  # Note [Double backward]: differentiable to any order
+            return grad_RD[row_TK].sum(1), None, None, None, None, None
         return sum_rows(grad_RD, row_TK), None, None, None, None, None
 
 
@@ -374,8 +376,10 @@ class _WeightedCombine(torch.autograd.Function):
 # combine's fast backward cannot be differentiated (its score gradient is an aten kernel with
 # no derivative), so in grad mode it takes the same formulas written with differentiable ops:
 # the row gradients ``s * g`` gathered out of place, the score gradients as an explicit
-# ``(T, K, D)`` product summed over ``D`` (equal up to float rounding). The token gathers'
-# backwards are linear in their input and differentiable as they are, and so is
+# ``(T, K, D)`` product summed over ``D`` (equal up to float rounding). The token gather's
+# backward becomes an indexing and a sum over ``K`` (``embedding_bag``'s own backward has no
+# derivative, which ``torch.autograd.functional.hvp`` needs). The other backwards are
+# differentiable as they are, and so is
 # ``_compat.local_views``' (the parallel layouts' local views of DTensor weights and inputs),
 # which wraps gradients with ``DTensor.from_local`` in grad mode. So the plain path
 # (``fused_routed_step=False``) gives exact second derivatives, in one process and under the

@@ -505,6 +505,13 @@ class GroupedExperts(nn.Module):
         counts_E: torch.Tensor,
         capacity: Capacity | None = None,
     ) -> torch.Tensor:
+        if x_TD.dtype != self.w1.dtype:  # after this module's own hooks (an FSDP unit's cast)
+            raise ValueError(
+                f"the routed experts got input of dtype={x_TD.dtype} but their weights are "
+                f"{self.w1.dtype}; cast the input or the layer so that they match (for "
+                "example moe.to(torch.bfloat16)). torch.autocast does not cast the experts' "
+                "grouped matmuls: they run in the weights' dtype, and need an input of it"
+            )
         args = () if capacity is None else (capacity,)
         return self.dispatcher.run_experts(
             self, x_TD, topk_scores_TK, topk_ids_TK, counts_E, *args

@@ -373,22 +373,21 @@ class _WeightedCombine(torch.autograd.Function):
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A backward with ``create_graph=True`` (a gradient penalty, a Hessian-vector product) runs
 # every node's backward with grad mode on, and differentiates what the backwards compute. The
-# combine's fast backward cannot be differentiated (its score gradient is an aten kernel with
-# no derivative), so in grad mode it takes the same formulas written with differentiable ops:
-# the row gradients ``s * g`` gathered out of place, the score gradients as an explicit
-# ``(T, K, D)`` product summed over ``D`` (equal up to float rounding). The token gather's
-# backward becomes an indexing and a sum over ``K`` (``embedding_bag``'s own backward has no
-# derivative, which ``torch.autograd.functional.hvp`` needs). The other backwards are
-# differentiable as they are, and so is
-# ``_compat.local_views``' (the parallel layouts' local views of DTensor weights and inputs),
-# which wraps gradients with ``DTensor.from_local`` in grad mode. So the plain path
+# combine's fast backward cannot be differentiated (its score gradient is an aten kernel with no
+# derivative), so in grad mode it takes the same formulas written with differentiable ops: the
+# row gradients ``s * g`` gathered out of place, the score gradients as an explicit
+# ``(T, K, D)`` product summed over ``D`` (equal up to float rounding). The token gather's backward
+# becomes an indexing and a sum over ``K`` (``embedding_bag``'s own backward has no derivative,
+# which ``torch.autograd.functional.hvp`` needs). The other backwards are differentiable as they
+# are, and so is ``_compat.local_views``' (the parallel layouts' local views of DTensor weights
+# and inputs), which wraps gradients with ``DTensor.from_local`` in grad mode. So the plain path
 # (``fused_routed_step=False``) gives exact second derivatives, in one process and under the
 # parallel layouts with the plain exchange (``tests/test_moe_layer.py``,
-# ``tests/test_parallel_styles.py``: against the per-token reference). The fused routed step and the expert-parallel step have
-# hand-written backwards that cannot build a graph: in grad mode they raise, on every rank,
-# before computing anything, instead of returning gradients that silently miss the terms of
-# their saved weights and activations (which is what ``once_differentiable`` does when the
-# incoming gradient does not require grad).
+# ``tests/test_parallel_styles.py``: against the per-token reference). The fused routed step and
+# the expert-parallel step have hand-written backwards that cannot build a graph: in grad mode
+# they raise, on every rank, before computing anything, instead of returning gradients that
+# silently miss the terms of their saved weights and activations (which is what
+# ``once_differentiable`` does when the incoming gradient does not require grad).
 
 
 def _combine_backward_with_graph(

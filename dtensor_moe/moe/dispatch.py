@@ -236,8 +236,6 @@ class _PermuteTokens(torch.autograd.Function):
         (row_TK,) = ctx.saved_tensors
         if ctx.void_row:
             grad_RD = _with_void_row(grad_RD)
-        if torch.is_grad_enabled():  # Note [Double backward]: differentiable to any order
-            return grad_RD[row_TK].sum(1), None, None, None, None, None
         return sum_rows(grad_RD, row_TK), None, None, None, None, None
 
 
@@ -295,7 +293,10 @@ def weighted_row_sum(out_RD: torch.Tensor, row_TK: torch.Tensor, s_TK: torch.Ten
 
 def sum_rows(src_RD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
     """``y_TD[t] = sum_k src_RD[row_TK[t, k]]``, added in ``k`` order in one pass: the gradient
-    of every token gather (Note [Deterministic combine]). ``row_TK`` may be a transposed view."""
+    of every token gather (Note [Deterministic combine]). ``row_TK`` may be a transposed view.
+    Differentiable to any order when a graph is being built (Note [Double backward])."""
+    if torch.is_grad_enabled() and src_RD.requires_grad:
+        return src_RD[row_TK].sum(1)
     return F.embedding_bag(row_TK, src_RD, mode="sum")
 
 
@@ -305,7 +306,10 @@ def combine_score_grads(
     """The gradient of :func:`weighted_row_sum` with respect to ``s_TK``: the dot product of each
     token's gradient with each of its rows, ``(T, K)``, in one pass with no temporaries (the
     per-sample-weight gradient of ``embedding_bag``, whose forward is the combine). ``row_TK``
-    may be a transposed view."""
+    may be a transposed view. Differentiable when a graph is being built (Note [Double
+    backward])."""
+    if torch.is_grad_enabled() and (grad_TD.requires_grad or out_RD.requires_grad):
+        return (grad_TD.unsqueeze(1) * out_RD[row_TK]).sum(-1)
     T, K = row_TK.shape
     dev = row_TK.device
     dots_N = torch.ops.aten._embedding_bag_per_sample_weights_backward(
@@ -358,8 +362,6 @@ class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out_RD, row_TK, scores_TK, order_N = ctx.saved_tensors
-        if torch.is_grad_enabled():  # Note [Double backward]
-            return _combine_backward_with_graph(ctx, grad_TD, out_RD, row_TK, scores_TK, order_N)
         grad_out = grad_scores = None
         if ctx.needs_input_grad[0]:
             s_TK = scores_TK.to(out_RD.dtype)
@@ -372,15 +374,15 @@ class _WeightedCombine(torch.autograd.Function):
 # Note [Double backward]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A backward with ``create_graph=True`` (a gradient penalty, a Hessian-vector product) runs
-# every node's backward with grad mode on, and differentiates what the backwards compute. The
-# combine's fast backward cannot be differentiated (its score gradient is an aten kernel with no
-# derivative), so in grad mode it takes the same formulas written with differentiable ops: the
-# row gradients ``s * g`` gathered out of place, the score gradients as an explicit
-# ``(T, K, D)`` product summed over ``D`` (equal up to float rounding). The token gather's backward
-# becomes an indexing and a sum over ``K`` (``embedding_bag``'s own backward has no derivative,
-# which ``torch.autograd.functional.hvp`` needs). The other backwards are differentiable as they
-# are, and so is ``_compat.local_views``' (the parallel layouts' local views of DTensor weights
-# and inputs), which wraps gradients with ``DTensor.from_local`` in grad mode. So the plain path
+# every node's backward with grad mode on, and differentiates what the backwards compute. Two of
+# the shared helpers use kernels that cannot be differentiated: ``combine_score_grads`` (an aten
+# kernel with no derivative) and ``sum_rows`` (``embedding_bag``, whose own backward has no
+# derivative, which ``torch.autograd.functional.hvp`` needs). When grad mode is on and an input
+# requires grad, each computes the same values with differentiable ops instead: an explicit
+# ``(T, K, D)`` product summed over ``D``, and an indexing summed over ``K`` (equal up to float
+# rounding). ``combine_row_grads`` is differentiable as it is. So are the other backwards, and
+# ``_compat.local_views``' (the parallel layouts' local views of DTensor weights and inputs),
+# which wraps gradients with ``DTensor.from_local`` in grad mode. So the plain path
 # (``fused_routed_step=False``) gives exact second derivatives, in one process and under the
 # parallel layouts with the plain exchange (``tests/test_moe_layer.py``,
 # ``tests/test_parallel_styles.py``: against the per-token reference). The fused routed step and
@@ -388,33 +390,6 @@ class _WeightedCombine(torch.autograd.Function):
 # they raise, on every rank, before computing anything, instead of returning gradients that
 # silently miss the terms of their saved weights and activations (which is what
 # ``once_differentiable`` does when the incoming gradient does not require grad).
-
-
-def _combine_backward_with_graph(
-    ctx: Any,
-    grad_TD: torch.Tensor,
-    out_RD: torch.Tensor,
-    row_TK: torch.Tensor,
-    scores_TK: torch.Tensor,
-    order_N: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, ...]:
-    """:class:`_WeightedCombine`'s backward with differentiable ops (Note [Double backward]).
-    The row gradients are :func:`combine_row_grads`' products, out of place (the same bits)."""
-    grad_out = grad_scores = None
-    if ctx.needs_input_grad[0]:
-        K = row_TK.shape[1]
-        s_TK = scores_TK.to(out_RD.dtype)
-        if order_N is not None:
-            token_N = torch.div(order_N, K, rounding_mode="floor")
-            scores_N = s_TK.reshape(-1).index_select(0, order_N)
-            grad_out = grad_TD.index_select(0, token_N) * scores_N.unsqueeze(-1)
-        else:
-            grad_out = out_RD.new_zeros(out_RD.shape)
-            for k in range(K):
-                grad_out = grad_out.index_copy(0, row_TK[:, k], grad_TD * s_TK[:, k : k + 1])
-    if ctx.needs_input_grad[2]:
-        grad_scores = (grad_TD.unsqueeze(1) * out_RD[row_TK]).sum(-1).to(scores_TK.dtype)
-    return grad_out, None, grad_scores, None
 
 
 def unpermute_and_reduce(

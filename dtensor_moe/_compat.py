@@ -156,28 +156,22 @@ class _LocalViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        if torch.is_grad_enabled():
-            # create_graph=True (Note [Double backward] in dtensor_moe/moe/dispatch.py): the
-            # direct wrap below would cut the graph, so wrap differentiably, as to_local does.
-            return (
-                None,
-                *(
-                    None
-                    if g is None
-                    else DTensor.from_local(
-                        g.contiguous(), spec.mesh, spec.placements, run_check=False,
-                        shape=spec.shape, stride=spec.stride,
-                    )
-                    for g, spec in zip(grads, ctx.grad_specs)
-                ),
-            )
+        # Under create_graph=True (Note [Double backward] in dtensor_moe/moe/dispatch.py) the
+        # direct wrap would cut the graph, so it wraps differentiably, as to_local's backward.
+        wrap = _wrap_with_graph if torch.is_grad_enabled() else dtensor_from_local_spec
         return (
             None,
             *(
-                None if g is None else DTensor(g.contiguous(), spec, requires_grad=False)
+                None if g is None else wrap(g.contiguous(), spec)
                 for g, spec in zip(grads, ctx.grad_specs)
             ),
         )
+
+
+def _wrap_with_graph(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    return DTensor.from_local(
+        local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+    )
 
 
 # Note [Gradient-spec cache]

@@ -79,7 +79,12 @@ def expert_capacity(
     so that ``1.0 * 8 * 2 / 4`` is 4 and not 5 from a float error).
     """
     raw = round(factor * num_tokens * top_k / num_experts, 9)
-    return -(-math.ceil(raw) // multiple) * multiple
+    return round_up(math.ceil(raw), multiple)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
 
 
 def capacity_keep(

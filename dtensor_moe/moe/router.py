@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor_moe import _compat
-from dtensor_moe.moe.capacity import Capacity, capacity_keep, expert_capacity
+from dtensor_moe.moe.capacity import Capacity, capacity_keep, expert_capacity, round_up
 from dtensor_moe.moe.config import MoEConfig
 from dtensor_moe.moe.losses import (
     aux_loss_from_sums,
@@ -313,7 +313,7 @@ class TokenChoiceTopKRouter(nn.Module):
         cfg = self.config
         multiple = cfg.pad_multiple if cfg.pad_to_capacity else 1
         if cfg.capacity_per_expert is not None:
-            per_expert = -(-cfg.capacity_per_expert // multiple) * multiple
+            per_expert = round_up(cfg.capacity_per_expert, multiple)
         else:
             per_expert = expert_capacity(
                 tokens.num_sequences * tokens.seq_len,

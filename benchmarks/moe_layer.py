@@ -70,21 +70,23 @@ from dtensor_moe.moe.experts import resolve_compute_path
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # --preset: the routing of three real model families with their widths scaled down for a CPU
-# (dim 256, the default): the expert count, top-k, score function, normalisation, scaling,
-# group-limited routing, expert bias and shared experts are the models'; each expert's hidden
-# size keeps the model's moe_intermediate / dim ratio. The sizes are flags, so an explicit
+# (dim 256, the default; --full-size takes the model's own dim and hidden, for a GPU): the
+# expert count, top-k, score function, normalisation, scaling, group-limited routing, expert
+# bias and shared experts are the models'; each expert's hidden size keeps the model's
+# moe_intermediate / dim ratio. The sizes are flags, so an explicit
 # --experts/--top-k/--hidden/--shared after the preset is refused rather than mixed in.
 PRESETS: dict[str, dict] = {
     # Mixtral 8x7B: dim 4096, hidden 14336, softmax over the 8 experts, top-2, renormalised
-    "mixtral": dict(experts=8, top_k=2, hidden=896, shared=0,
+    "mixtral": dict(experts=8, top_k=2, hidden=896, shared=0, full=dict(dim=4096, hidden=14336),
                     config=dict(score_func="softmax", route_norm=True)),
     # Qwen3-30B-A3B: dim 2048, moe_intermediate 768, 128 experts, top-8, norm_topk_prob
-    "qwen3": dict(experts=128, top_k=8, hidden=96, shared=0,
+    "qwen3": dict(experts=128, top_k=8, hidden=96, shared=0, full=dict(dim=2048, hidden=768),
                   config=dict(score_func="softmax", route_norm=True)),
     # DeepSeek-V3: dim 7168, moe_intermediate 2048, 256 experts in 8 groups of which a token
     # may use 4, top-8, sigmoid scores with a correction bias, renormalised, scaled by 2.5,
     # one shared expert of the same width
     "deepseek-v3": dict(experts=256, top_k=8, hidden=64, shared=1,
+                        full=dict(dim=7168, hidden=2048),
                         config=dict(score_func="sigmoid", route_norm=True, route_scale=2.5,
                                     num_expert_groups=8, num_limited_groups=4,
                                     use_expert_bias=True)),
@@ -113,7 +115,16 @@ def _build(args: argparse.Namespace) -> tuple[MoE, torch.Tensor, torch.Tensor]:
         **PRESETS[args.preset]["config"] if args.preset else {},
     )
     dtype = DTYPES[args.dtype]
-    moe = MoE(config).to(device=args.device, dtype=dtype)  # the same weights on every device
+    if args.full_size and args.device != "cpu":  # made on the device, in its dtype: no copies
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(args.device):
+                moe = MoE(config)
+        finally:
+            torch.set_default_dtype(default)
+    else:
+        moe = MoE(config).to(device=args.device, dtype=dtype)  # the same weights everywhere
     x = torch.randn(1, args.tokens, args.dim, dtype=dtype).to(args.device).requires_grad_()
     grad_y = torch.randn(1, args.tokens, args.dim, dtype=dtype).to(args.device)
     return moe, x, grad_y
@@ -509,6 +520,9 @@ def _parse() -> argparse.Namespace:
                    help="MoEConfig(fused_routed_step=False): plain autograd, no extra matmul")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="a real model's routing, scaled down (sets experts, top-k, hidden, shared)")
+    p.add_argument("--full-size", action="store_true",
+                   help="with --preset: the model's own dim and hidden (for a GPU; deepseek-v3's "
+                        "layer takes about 45 GiB with its grads in bf16)")
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="MoEConfig.capacity_factor: drop pairs over capacity (default dropless)")
     p.add_argument("--capacity-per-expert", type=int, default=None,
@@ -591,6 +605,13 @@ def _parse() -> argparse.Namespace:
             p.error(f"--preset {args.preset} sets {', '.join(given)}; leave them out")
         for name in sizes:
             setattr(args, name, PRESETS[args.preset][name])
+        if args.full_size:
+            if args.dim != p.get_default("dim"):
+                p.error(f"--full-size sets --dim {PRESETS[args.preset]['full']['dim']}; "
+                        "leave it out")
+            args.dim, args.hidden = (PRESETS[args.preset]["full"][n] for n in ("dim", "hidden"))
+    elif args.full_size:
+        p.error("--full-size needs --preset")
     return args
 
 

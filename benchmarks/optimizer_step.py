@@ -11,6 +11,11 @@ rank 0 prints the medians over repeats and the median ratio. Times are per-threa
 rank runs one thread and the step communicates nothing), so oversubscribed cores do not distort
 them. The first step (which
 creates the optimizer state) is reported separately.
+
+``--device cuda`` runs one process on one GPU instead: a one-rank NCCL group, the same two meshes
+with one rank each (a ``(1, 1)`` mesh and a 1-D mesh), the same params as a whole, and torch's
+fused CUDA kernel on both sides. Each step is timed on the wall clock with the device queue
+drained before and after it, so the times are of the launch work and the kernels together.
 """
 
 from __future__ import annotations
@@ -38,15 +43,18 @@ if not TORCH_ONLY:
 
 WORLD = 4
 CASES = {"200 x 64x64": (200, 64), "8 x 1024x1024": (8, 1024)}
+DEVICE_CASES = {**CASES, "96 x 2048x2048": (96, 2048)}  # --device: + a 400M-param model
+DEVICE = "cpu"  # --device sets it; the CPU benchmark's spawned workers keep "cpu"
 
 
 def _make_params(num: int, size: int):
-    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    world = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("world",))
+    n = dist.get_world_size()
+    mesh2d = init_device_mesh(DEVICE, (2, n // 2) if n > 1 else (1, 1), mesh_dim_names=("dp", "tp"))
+    world = init_device_mesh(DEVICE, (n,), mesh_dim_names=("world",))
     gen = torch.Generator().manual_seed(0)
     dt_params = []
     for i in range(num):
-        full = torch.randn(size, size, generator=gen)
+        full = torch.randn(size, size, generator=gen).to(DEVICE)
         if i % 2 == 0:
             dt_params.append(distribute_tensor(full, world, [Shard(0)]))
         else:
@@ -66,6 +74,12 @@ def _time_step(opt) -> float:
     Four processes share the cores of a small machine, so wall time mostly measures who was
     scheduled; the step runs on one thread with no communication, so thread CPU time is its cost.
     """
+    if DEVICE != "cpu":  # wall clock around the step, the device queue drained on both sides
+        torch.accelerator.synchronize()
+        start = time.perf_counter()
+        opt.step()
+        torch.accelerator.synchronize()
+        return time.perf_counter() - start
     start = time.thread_time()
     opt.step()
     return time.thread_time() - start
@@ -94,7 +108,7 @@ def _timed_turns(opt_dt, opt_plain, steps: int, concurrency: int):
     """
     rank = dist.get_rank()
     t_dt, t_plain = [], []
-    for turn in range(0, WORLD, concurrency):
+    for turn in range(0, dist.get_world_size(), concurrency):
         dist.barrier()
         if turn <= rank < turn + concurrency:
             for i in range(steps):  # interleaved, alternating which goes first
@@ -136,16 +150,18 @@ def _bench_case(num: int, size: int, steps: int, repeats: int, concurrency: int)
 
 def _worker(rank: int, port: int, steps: int, repeats: int, modes: list[int]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    if DEVICE == "cpu":
+        torch.set_num_threads(1)
+    world = WORLD if DEVICE == "cpu" else 1
+    dist.init_process_group("gloo" if DEVICE == "cpu" else None, rank=rank, world_size=world)
     try:
-        for label, (num, size) in CASES.items():
+        for label, (num, size) in (CASES if DEVICE == "cpu" else DEVICE_CASES).items():
             for concurrency in modes:
                 case_steps = steps if size < 512 else max(10, steps // 4)
                 res = _bench_case(num, size, case_steps, repeats, concurrency)
                 if rank == 0:
                     print(
-                        f"{label:>14}, {concurrency} of {WORLD} ranks stepping at once: DTensor "
+                        f"{label:>14}, {concurrency} of {world} ranks stepping at once: DTensor "
                         f"{res['dtensor_ms']:.3f} ms | plain {res['plain_ms']:.3f} ms | ratio "
                         f"{res['ratio']:.3f} (per-repeat "
                         f"{', '.join(f'{r:.3f}' for r in res['ratios'])}) | first step DTensor "
@@ -171,7 +187,30 @@ def main() -> None:
         "--torch-only", action="store_true",
         help="reference: run without importing dtensor_moe (torch 2.13's own DTensor rules)",
     )
+    parser.add_argument(
+        "--device", default="cpu",
+        help="cpu (4 gloo processes), or an accelerator such as cuda (one process, one device)",
+    )
     args = parser.parse_args()
+    if args.device != "cpu":
+        try:
+            torch.empty(0, device=args.device)
+        except (RuntimeError, AssertionError) as err:
+            parser.error(f"--device {args.device} is not available here: {err}")
+        if args.concurrency:
+            parser.error("--concurrency is for the CPU benchmark's 4 processes")
+        if args.torch_only:
+            parser.error("--torch-only is for the CPU benchmark")
+        global DEVICE
+        DEVICE = args.device
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        print(f"fused AdamW step, one process on {torch.accelerator.current_accelerator()} "
+              f"({torch.cuda.get_device_name() if args.device == 'cuda' else args.device}), "
+              f"torch {torch.__version__}")
+        _worker(0, port, args.steps, args.repeats, [1])
+        return
     if args.torch_only:
         os.environ["DTENSOR_MOE_BENCH_TORCH_ONLY"] = "1"
     cores = len(os.sched_getaffinity(0))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -133,3 +134,38 @@ def test_combine_benchmark_compares_every_piece_and_the_step():
     assert all(float(d) == 0.0 for name, d in pieces if name != "score gradient"), out
     assert float(dict(pieces)["score gradient"]) < 1e-4, out
     assert "package / baseline (median of per-step ratios):" in out, out
+
+
+def _refused(*args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stderr
+
+
+def test_device_flags_are_checked_before_running():
+    """The GPU runs of ``benchmarks/gpu.sh`` use these flags; here they fail cleanly."""
+    err = _refused("benchmarks/moe_layer.py", "--full-size")
+    assert "--full-size needs --preset" in err, err
+    err = _refused("benchmarks/moe_layer.py", "--preset", "qwen3", "--full-size", "--dim", "64")
+    assert "--full-size sets --dim 2048; leave it out" in err, err
+    if not torch.cuda.is_available():
+        for script in ("optimizer_step.py", "hf_block.py"):
+            err = _refused(f"benchmarks/{script}", "--device", "cuda")
+            assert "--device cuda is not available here" in err, err
+
+
+def test_hf_block_benchmark_checks_parity_and_prints_ratios():
+    out = _run(
+        "benchmarks/hf_block.py", "--family", "deepseek_v3", "--tokens", "32", "--dim", "32",
+        "--hidden", "16", "--experts", "16", "--top-k", "4", "--warmup", "1", "--repeats", "2",
+        "--plain-routed-step",
+    )
+    assert "fused_routed_step=False" in out, out
+    for impl in ("eager", "grouped_mm"):
+        err = re.search(rf"parity HF {impl} vs ours: output rel err (\S+), x.grad rel err (\S+)",
+                        out)
+        assert err and max(float(err[1]), float(err[2])) < 1e-5, out
+        assert re.search(rf"HF {impl}\s+[\d.]+\s+[\d.]+", out), out

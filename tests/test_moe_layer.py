@@ -222,6 +222,33 @@ def test_bf16_close_to_fp32():
         )
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_bf16_score_grads_in_float32_branch(monkeypatch, fused):
+    """Note [bf16 score grads off CPU]: the branch GPUs take (torch's CUDA kernel has no bf16),
+    taken here on the CPU. Only the score gradients change, by bf16 rounding: the experts'
+    gradients keep their bits, and the router's and the input's stay within bf16 tolerance."""
+    from dtensor_moe.moe import dispatch
+
+    moe = make_moe(num_shared_experts=1, fused_routed_step=fused).to(torch.bfloat16)
+    x = torch.randn(3, 16, D).to(torch.bfloat16)
+    runs = []
+    for upcast in (False, True):
+        seen = []
+        monkeypatch.setattr(dispatch, "_upcast_score_grads",
+                            lambda out, seen=seen, upcast=upcast: seen.append(out.dtype) or upcast)
+        m, xi = copy.deepcopy(moe), x.clone().requires_grad_()
+        m(xi).float().square().sum().backward()
+        assert seen == [torch.bfloat16]  # one score-gradient call per backward
+        runs.append({"x": xi.grad, **{n: p.grad for n, p in m.named_parameters()}})
+    plain, upcast = runs
+    for name, grad in plain.items():
+        if name.startswith(("experts.", "shared_experts.")):
+            assert torch.equal(upcast[name], grad), name
+        else:
+            torch.testing.assert_close(upcast[name].float(), grad.float(), rtol=0,
+                                       atol=2e-2 * float(grad.abs().max()), msg=name)
+
+
 def test_sum_backward_through_grouped_mm_path():
     """y.sum() gives an expanded grad, which torch's grouped_mm backward rejects on CPU."""
     moe = make_moe(compute_path="grouped_mm")

@@ -300,6 +300,12 @@ def sum_rows(src_RD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
     return F.embedding_bag(row_TK, src_RD, mode="sum")
 
 
+def _upcast_score_grads(out_RD: torch.Tensor) -> bool:
+    """Whether :func:`combine_score_grads` computes in float32 (Note [bf16 score grads off
+    CPU]); a function so that a CPU test can take the device branch."""
+    return out_RD.dtype == torch.bfloat16 and out_RD.device.type != "cpu"
+
+
 def combine_score_grads(
     grad_TD: torch.Tensor, out_RD: torch.Tensor, row_TK: torch.Tensor
 ) -> torch.Tensor:
@@ -312,6 +318,8 @@ def combine_score_grads(
         return (grad_TD.unsqueeze(1) * out_RD[row_TK]).sum(-1)
     T, K = row_TK.shape
     dev = row_TK.device
+    if _upcast_score_grads(out_RD):  # Note [bf16 score grads off CPU]
+        grad_TD, out_RD = grad_TD.float(), out_RD.float()
     dots_N = torch.ops.aten._embedding_bag_per_sample_weights_backward(
         grad_TD.contiguous(),
         out_RD,
@@ -321,6 +329,22 @@ def combine_score_grads(
         0,  # mode "sum"
     )
     return dots_N.view(T, K)
+
+
+# Note [bf16 score grads off CPU]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's CUDA kernel of ``_embedding_bag_per_sample_weights_backward`` is built for float32,
+# float64 and float16 only (torch 2.11 and 2.13): with bfloat16 it raises "not implemented for
+# 'BFloat16'", which made every bf16 backward of the layer fail on a GPU, the plain, loop and
+# expert-parallel paths included (found on an H200; the CPU kernel takes bfloat16). Off the CPU,
+# :func:`combine_score_grads` therefore upcasts its two bf16 inputs to float32 first. The kernel
+# accumulates in float32 either way, so the dots are as exact as the CPU's, and they stay float32
+# instead of being rounded to bf16 (the scores they flow into are float32). The cost is the
+# float32 copies of ``grad_TD`` and ``out_RD`` (``(T + R) * D * 4`` bytes, freed at once).
+# ``tests/test_cuda.py`` keeps a test that the plain op still fails, so that this can go when
+# torch gains the kernel, and checks the layer in bf16 on the GPU against a float64 reference;
+# ``tests/test_moe_layer.py`` takes the branch on the CPU. Other accelerators take the same path
+# rather than be probed.
 
 
 def combine_row_grads(

@@ -1,9 +1,10 @@
 """A Hugging Face MoE block against the ``dtensor_moe.MoE`` made from it, side by side.
 
 What a user of ``transformers`` would otherwise run: the model's own MoE block, with one of the
-experts implementations transformers offers (``config._experts_implementation``: ``eager``
-loops over the hit experts; ``grouped_mm`` sorts the token-expert pairs and calls
-``torch._grouped_mm``; ``batched_mm`` gathers every pair's expert weights). Ours is
+experts implementations transformers offers (``config._experts_implementation``: ``grouped_mm``,
+a model's default where it can run, sorts the token-expert pairs and calls ``torch._grouped_mm``;
+``eager``, the fallback, loops over the hit experts; ``batched_mm`` gathers every pair's expert
+weights). Ours is
 ``dtensor_moe.hf.moe_from_hf(block)``: the same weights and the same math.
 
 Both sides run forward and backward on the same input and upstream gradient; per repeat each
@@ -24,7 +25,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 from typing import Callable
@@ -146,17 +146,12 @@ def main() -> None:
         import transformers
     except ImportError:
         p.error('needs transformers: pip install -e ".[hf]"')
-    from dtensor_moe import MoE, hf
+    from dtensor_moe import hf
 
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     block = _block(args)
-    ours = hf.moe_from_hf(block)
-    if args.plain_routed_step:
-        with torch.device(args.device):  # buffers left out of the state dict too
-            plain = MoE(dataclasses.replace(ours.config, fused_routed_step=False))
-        plain.load_state_dict(ours.state_dict(), assign=True)  # ours' tensors: dtypes, device
-        ours = plain
+    ours = hf.moe_from_hf(block, fused_routed_step=not args.plain_routed_step)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, args.tokens, args.dim, generator=gen).to(args.device, dtype)
     grad_y = torch.randn(1, args.tokens, args.dim, generator=gen).to(args.device, dtype)

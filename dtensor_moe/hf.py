@@ -58,9 +58,11 @@ which :func:`to_hf_state_dict` uses to write the HF keys back.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 try:
     import transformers  # noqa: F401  (the extra this module needs)
@@ -78,6 +80,7 @@ from dtensor_moe.moe.config import MoEConfig
 from dtensor_moe.moe.layer import MoE
 
 __all__ = [
+    "HF_DEFINED_FIELDS",
     "SUPPORTED_BLOCKS",
     "HFSource",
     "moe_from_hf",
@@ -267,9 +270,43 @@ def _config_of(family: _Family, block: nn.Module) -> MoEConfig:
     return MoEConfig(**fields)
 
 
+# The MoEConfig fields that HF's block defines (its shapes and its routing math): read from the
+# block, never set by the caller. Every other field (the compute path, fused_routed_step,
+# recompute_experts, router losses, capacity) is the caller's choice.
+HF_DEFINED_FIELDS = frozenset({
+    "dim", "hidden_dim", "num_experts", "top_k", "score_func", "route_norm", "route_scale",
+    "num_expert_groups", "num_limited_groups", "score_before_experts", "use_expert_bias",
+    "num_shared_experts", "shared_hidden_dim", "shared_expert_gate",
+})
+
+
+def _with_settings(config: MoEConfig, settings: dict) -> MoEConfig:
+    """``config`` with the caller's ``settings`` (checked: known, not defined by the block)."""
+    names = {f.name for f in dataclasses.fields(MoEConfig)}
+    unknown = sorted(set(settings) - names)
+    if unknown:
+        raise TypeError(
+            f"dtensor_moe.hf: unknown MoEConfig setting(s) {unknown}; the settings are "
+            f"{sorted(names - HF_DEFINED_FIELDS)}"
+        )
+    fixed = sorted(set(settings) & HF_DEFINED_FIELDS)
+    if fixed:
+        raise ValueError(
+            f"dtensor_moe.hf: {fixed} come from the HF block (its shapes and routing) and cannot "
+            "be set; change the HF config before building the model instead"
+        )
+    return dataclasses.replace(config, **settings) if settings else config
+
+
 @torch.no_grad()
-def moe_from_hf(block: nn.Module) -> MoE:
+def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
     """One HF sparse MoE block as a :class:`MoE` with the same weights and math.
+
+    ``settings`` are :class:`MoEConfig` fields for the new layer that the block does not define,
+    for example ``fused_routed_step=False`` (faster, more activation memory),
+    ``recompute_experts=True``, ``aux_loss_coeff`` or ``capacity_factor`` (which drops tokens,
+    so the output is then no longer HF's). The fields the block defines
+    (:data:`HF_DEFINED_FIELDS`) are read from it.
 
     The new layer has the experts' dtype, the block's device and its training mode; the router
     gate keeps the HF gate's dtype and the correction bias stays float32 (a bf16 DeepSeek-V3
@@ -277,13 +314,15 @@ def moe_from_hf(block: nn.Module) -> MoE:
     storage with the block. Its ``hf_source`` records the family (used by :func:`to_hf_state_dict`).
 
     Raises:
-        TypeError: ``block`` is not one of :data:`SUPPORTED_BLOCKS`.
+        TypeError: ``block`` is not one of :data:`SUPPORTED_BLOCKS`, or a setting is not a
+            :class:`MoEConfig` field.
         ValueError: the block uses a setting that :class:`MoE` does not compute (router jitter,
-            an activation other than SiLU, biases); the message names it and the fix.
+            an activation other than SiLU, biases); the message names it and the fix. Also a
+            setting of :data:`HF_DEFINED_FIELDS`, or a value :class:`MoEConfig` refuses.
     """
     family = _family_of(block)
     _check_block(family, block)
-    config = _config_of(family, block)
+    config = _with_settings(_config_of(family, block), settings)
     gate_up = block.experts.gate_up_proj
     moe = MoE(config).to(device=gate_up.device, dtype=gate_up.dtype)
     H = config.hidden_dim
@@ -324,8 +363,9 @@ def _looks_like_moe_block(module: nn.Module) -> bool:
     return "experts" in children or "moe" in type(module).__name__.lower()
 
 
-def replace_moe_blocks(model: nn.Module) -> list[str]:
-    """Swap every supported HF MoE block of ``model`` for :func:`moe_from_hf` of it, in place.
+def replace_moe_blocks(model: nn.Module, **settings: Any) -> list[str]:
+    """Swap every supported HF MoE block of ``model`` for :func:`moe_from_hf` of it (with the
+    same ``settings`` for every block), in place.
 
     Returns the qualified names of the swapped modules (for example
     ``"model.layers.0.mlp"``), in ``named_modules`` order.
@@ -355,6 +395,7 @@ def replace_moe_blocks(model: nn.Module) -> list[str]:
         if _looks_like_moe_block(module) or any(f.matches(module) for f in _FAMILIES):
             family = _family_of(module)  # TypeError for an unsupported family
             _check_block(family, module)
+            _with_settings(_config_of(family, module), settings)
             found.append((name, module))
     if not found:
         raise ValueError(
@@ -364,7 +405,7 @@ def replace_moe_blocks(model: nn.Module) -> list[str]:
     for name, block in found:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, moe_from_hf(block))
+        setattr(parent, child, moe_from_hf(block, **settings))
     return [name for name, _ in found]
 
 

@@ -178,6 +178,50 @@ def test_settings_are_read_from_the_block():
         assert (cfg.num_experts, cfg.top_k, cfg.aux_loss_coeff) == (8, 2, 0.0), model_type
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_caller_settings(model_type):
+    """``moe_from_hf(block, **settings)`` and ``replace_moe_blocks(model, **settings)``: the
+    block defines its shapes and routing; the caller picks the rest, checked before any swap."""
+    model = hf_model(model_type)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    names = hf.replace_moe_blocks(model, fused_routed_step=False, recompute_experts=True)
+    assert names
+    for name in names:
+        cfg = model.get_submodule(name).config
+        assert (cfg.fused_routed_step, cfg.recompute_experts) == (False, True), name
+    logits, emb_grad = _forward_backward(model, ids)
+    logits_ref, emb_grad_ref = _forward_backward(ref, ids)
+    close(logits, logits_ref, "logits")
+    close(emb_grad, emb_grad_ref, "input-embedding grad")
+
+    block = hf_model(model_type).get_submodule(names[0])
+    default, plain = hf.moe_from_hf(block), hf.moe_from_hf(block, fused_routed_step=False)
+    x = torch.randn(2, 5, default.config.dim, requires_grad=True)
+    grads = []
+    for moe in (default, plain):
+        y = moe(x)
+        (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+        grads.append((y.detach(), x.grad, moe.router.gate.weight.grad, moe.experts.w2.grad))
+        x.grad = None
+    for a, b in zip(*grads):  # a speed switch: the same bits
+        assert torch.equal(a, b)
+    assert hf.moe_from_hf(block, aux_loss_coeff=0.01).config.aux_loss_coeff == 0.01
+
+    before = copy.deepcopy(model.state_dict())
+    fresh = hf_model(model_type)
+    with pytest.raises(ValueError, match=r"\['top_k'\] come from the HF block .* change the HF "
+                       r"config"):
+        hf.replace_moe_blocks(fresh, top_k=1)
+    assert not any(isinstance(m, MoE) for m in fresh.modules())  # nothing swapped
+    with pytest.raises(TypeError, match=r"unknown MoEConfig setting\(s\) \['fused'\]; the "
+                       r"settings are \[.*'fused_routed_step'"):
+        hf.moe_from_hf(block, fused=False)
+    with pytest.raises(ValueError, match=r"capacity_factor"):  # MoEConfig's own check
+        hf.moe_from_hf(block, capacity_factor=-1.0)
+    assert model.state_dict().keys() == before.keys()
+
+
 def test_dtype_device_mode_and_no_shared_storage():
     block = hf_model("qwen2_moe").model.layers[0].mlp.to(torch.float64).eval()
     moe = hf.moe_from_hf(block)

@@ -8,6 +8,9 @@ an H100 are in ``docs/benchmarks.md``, section "On a GPU"). They check, on the d
   reference written here with plain torch ops, in float32 and bfloat16: output, ``x.grad`` and
   every parameter gradient;
 - that the fused routed step gives the plain step's bits, and a second run the first run's bits;
+- the options that reference does not model (capacity and dropping, recompute, scores before
+  the experts, a gated shared expert, padding, router losses) against the same layer on the CPU,
+  with the same routing and dropped pairs; and that the default path never syncs the host;
 - ``torch.compile`` (inductor, so Triton kernels) against eager, with the graph breaks counted;
 - the fused Adam, AdamW, SGD and Adagrad CUDA kernels over DTensor params on several device
   meshes (a one-rank NCCL process group) against torch's own fused step on plain tensors, bit
@@ -190,6 +193,62 @@ def test_fused_step_bits_equal_plain_step_and_rerun(name, dtype):
         assert torch.equal(fused[1], other[1]), f"{what}: x.grad"
         for n, grad in fused[2].items():
             assert torch.equal(grad, other[2][n]), f"{what}: {n}.grad"
+
+
+# Options the float64 reference above does not model: on the device they must give what the same
+# layer gives on the CPU (where tests/test_moe_layer.py, test_capacity.py and test_router_losses.py
+# check them against their own references), in float32.
+DEVICE_OPTIONS = {
+    "capacity_probs_padded": dict(capacity_factor=0.5, pad_to_capacity=True),
+    "capacity_position": dict(capacity_factor=0.75, drop_policy="position"),
+    "recompute_experts": dict(recompute_experts=True),
+    "score_before_experts": dict(score_before_experts=True),
+    "shared_expert_gate": dict(num_shared_experts=1, shared_hidden_dim=32,
+                               shared_expert_gate=True),
+    "pad_multiple": dict(pad_multiple=8),
+    "router_losses": dict(aux_loss_coeff=0.01, z_loss_coeff=0.001),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEVICE_OPTIONS))
+def test_options_on_the_device_match_the_cpu(name):
+    from dtensor_moe.moe import load_stats
+    from dtensor_moe.moe.balance import collect_aux_losses
+
+    overrides = {**CONFIGS["qwen3"], **DEVICE_OPTIONS[name]}
+    results = []
+    for device in (DEVICE, "cpu"):
+        torch.manual_seed(0)
+        moe = MoE(MoEConfig(dim=DIM, init_std=0.05, **overrides)).to(device)
+        x = _x(torch.float32).to(device).requires_grad_()
+        with collect_aux_losses() as aux:
+            y = moe(x)
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device)
+        ((y * g).sum() + aux.total()).backward()
+        stats = load_stats(moe, process_group="local")
+        results.append((y, x.grad, {n: q.grad for n, q in moe.named_parameters()},
+                        [(s.counts, s.dropped_per_expert) for s in stats]))
+    (y, x_grad, grads, stats), (y_cpu, x_grad_cpu, grads_cpu, stats_cpu) = results
+    assert str(stats) == str(stats_cpu)  # the same routing and the same dropped pairs
+    errors = {"output": rel_err(y.cpu(), y_cpu), "x.grad": rel_err(x_grad.cpu(), x_grad_cpu)}
+    errors.update({n: rel_err(g.cpu(), grads_cpu[n]) for n, g in grads.items()})
+    assert max(errors.values()) <= REL_TOL[torch.float32], errors
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA's sync debug mode")
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+def test_default_path_does_not_sync_the_host(name):
+    """One process, default config, device counts: no step reads the device from the host."""
+    moe = make_moe(torch.bfloat16, **CONFIGS[name])
+    x = _x(torch.bfloat16).requires_grad_()
+    g = torch.randn_like(x)
+    moe(x).backward(g)  # warm: lazy inits may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x).backward(g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 # ---- optimizers, GradScaler and grad clipping over several meshes -------------------------

@@ -16,13 +16,14 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, returncode: int = 0) -> str:
+    """Run a script; its stdout, or its stderr when it is expected to fail (argparse: 2)."""
     proc = subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
         check=False,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    assert proc.returncode == returncode, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout if returncode == 0 else proc.stderr
 
 
 def test_optimizer_step_benchmark_prints_every_case_and_mode():
@@ -136,24 +137,16 @@ def test_combine_benchmark_compares_every_piece_and_the_step():
     assert "package / baseline (median of per-step ratios):" in out, out
 
 
-def _refused(*args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return proc.stderr
-
-
 def test_device_flags_are_checked_before_running():
     """The GPU runs of ``benchmarks/gpu.sh`` use these flags; here they fail cleanly."""
-    err = _refused("benchmarks/moe_layer.py", "--full-size")
+    err = _run("benchmarks/moe_layer.py", "--full-size", returncode=2)
     assert "--full-size needs --preset" in err, err
-    err = _refused("benchmarks/moe_layer.py", "--preset", "qwen3", "--full-size", "--dim", "64")
+    err = _run("benchmarks/moe_layer.py", "--preset", "qwen3", "--full-size", "--dim", "64",
+               returncode=2)
     assert "--full-size sets --dim 2048; leave it out" in err, err
     if not torch.cuda.is_available():
         for script in ("optimizer_step.py", "hf_block.py"):
-            err = _refused(f"benchmarks/{script}", "--device", "cuda")
+            err = _run(f"benchmarks/{script}", "--device", "cuda", returncode=2)
             assert "--device cuda is not available here" in err, err
 
 

@@ -629,7 +629,8 @@ def main() -> None:
         + f"layout={args.layout} tokens={args.tokens} dim={args.dim} hidden={args.hidden} "
         f"experts={args.experts} top_k={args.top_k} shared={args.shared} dtype={args.dtype} "
         f"threads={args.threads} repeats={args.repeats}"
-        + (f" device={args.device}" if args.device != "cpu" else "")
+        + (f" device={args.device} ({torch.cuda.get_device_name()}, torch {torch.__version__})"
+           if args.device == "cuda" else f" device={args.device}" if args.device != "cpu" else "")
         + (" free_exchanges (diagnostic: outputs are wrong)" if args.free_exchanges else "")
         + (" no_overlap (plain EP path)" if args.no_overlap else "")
         + (" plain_routed_step" if args.plain_routed_step else "")

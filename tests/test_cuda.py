@@ -195,6 +195,28 @@ def test_fused_step_bits_equal_plain_step_and_rerun(name, dtype):
             assert torch.equal(grad, other[2][n]), f"{what}: {n}.grad"
 
 
+@pytest.mark.parametrize("kind", ["list", "cpu tensor", "device tensor"])
+def test_grouped_swiglu_takes_counts_from_anywhere(kind):
+    """The public ``grouped_swiglu`` on device rows, with its counts as host ints, a CPU tensor
+    or a device tensor, against per-expert matmuls."""
+    from dtensor_moe.moe.experts import grouped_swiglu
+
+    gen = torch.Generator().manual_seed(3)
+    E, H, R = 4, 32, 50
+    counts = [20, 0, 13, 17]
+    x, w1, w3 = (torch.randn(*s, generator=gen).to(DEVICE) for s in
+                 ((R, DIM), (E, H, DIM), (E, H, DIM)))
+    w2 = torch.randn(E, DIM, H, generator=gen).to(DEVICE)
+    given = {"list": counts, "cpu tensor": torch.tensor(counts),
+             "device tensor": torch.tensor(counts, device=DEVICE)}[kind]
+    out = grouped_swiglu(x, w1, w2, w3, given, path="grouped_mm")
+    bounds = [0, 20, 20, 33, 50]
+    expected = torch.cat([_swiglu(x[bounds[e]:bounds[e + 1]].double(), w1[e].double(),
+                                  w2[e].double(), w3[e].double()) for e in range(E)])
+    assert out.device.type == DEVICE
+    assert rel_err(out, expected) <= REL_TOL[torch.float32]
+
+
 # Options the float64 reference above does not model: on the device they must give what the same
 # layer gives on the CPU (where tests/test_moe_layer.py, test_capacity.py and test_router_losses.py
 # check them against their own references), in float32.

@@ -58,11 +58,12 @@ which :func:`to_hf_state_dict` uses to write the HF keys back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 try:
     import transformers  # noqa: F401  (the extra this module needs)
@@ -298,6 +299,17 @@ def _with_settings(config: MoEConfig, settings: dict) -> MoEConfig:
     return dataclasses.replace(config, **settings) if settings else config
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.set_default_dtype(dtype)`` for the block, then the previous default again."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 @torch.no_grad()
 def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
     """One HF sparse MoE block as a :class:`MoE` with the same weights and math.
@@ -308,7 +320,9 @@ def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
     so the output is then no longer HF's). The fields the block defines
     (:data:`HF_DEFINED_FIELDS`) are read from it.
 
-    The new layer has the experts' dtype, the block's device and its training mode; the router
+    The new layer is made on the experts' device and in their dtype, so a block on the ``meta``
+    device converts in no time and allocates nothing (build a large model on ``meta``, convert,
+    parallelize, then ``to_empty`` and load). It has the block's training mode; the router
     gate keeps the HF gate's dtype and the correction bias stays float32 (a bf16 DeepSeek-V3
     keeps both in float32 and routes in float32, and so does the converted layer). It shares no
     storage with the block. Its ``hf_source`` records the family (used by :func:`to_hf_state_dict`).
@@ -324,7 +338,8 @@ def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
     _check_block(family, block)
     config = _with_settings(_config_of(family, block), settings)
     gate_up = block.experts.gate_up_proj
-    moe = MoE(config).to(device=gate_up.device, dtype=gate_up.dtype)
+    with torch.device(gate_up.device), _default_dtype(gate_up.dtype):
+        moe = MoE(config)  # made where and as the block's experts are: no copy, none on the CPU
     H = config.hidden_dim
     # The router keeps HF's gate dtype: DeepSeek-V3 and GLM4-MoE keep theirs in float32 in a
     # bf16 model, and our router then computes its logits in float32 too, as theirs does.

@@ -1,7 +1,8 @@
 """The product on a CUDA device, in one process: what the CPU suite cannot show.
 
-These tests need a CUDA GPU and are skipped without one (CI has none; the figures from a run on
-an H100 are in ``docs/benchmarks.md``, section "On a GPU"). They check, on the device:
+These tests need a CUDA GPU and are skipped without one (CI has none). ``benchmarks/gpu.sh`` runs
+them; ``docs/benchmarks.md`` ("On one GPU") says what a run on an H200 gave and which tests were
+added after it. They check, on the device:
 
 - the MoE layer (fused routed step, plain routed step, loop path; fine-grained shapes with
   top-8, group-limited sigmoid routing with a bias, a shared expert) against a float64
@@ -12,10 +13,11 @@ an H100 are in ``docs/benchmarks.md``, section "On a GPU"). They check, on the d
   the experts, a gated shared expert, padding, router losses) against the same layer on the CPU,
   with the same routing and dropped pairs; and that the default path never syncs the host;
 - ``torch.compile`` (inductor, so Triton kernels) against eager, with the graph breaks counted;
-- the fused Adam, AdamW, SGD and Adagrad CUDA kernels over DTensor params on several device
-  meshes (a one-rank NCCL process group) against torch's own fused step on plain tensors, bit
-  for bit and with no collective; ``GradScaler("cuda")`` and ``clip_grad_norm_`` over the same
-  meshes.
+- the fused Adam, AdamW and SGD CUDA kernels over DTensor params on several device meshes (a
+  one-rank NCCL process group) against torch's own fused step on plain tensors, bit for bit and
+  with no collective (Adagrad: where torch has no fused CUDA kernel, both sides must raise
+  torch's error); ``GradScaler("cuda")`` and ``clip_grad_norm_`` over the same meshes;
+- ``grouped_swiglu`` with its counts as host ints, a CPU tensor or a device tensor.
 
 ``DTENSOR_MOE_TEST_DEVICE=cpu`` runs the same tests on the CPU with gloo (a check of the tests
 themselves; the CPU suite covers the product there).

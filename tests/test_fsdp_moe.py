@@ -139,6 +139,41 @@ class FSDPMoETest(DistTestBase):
                 self._assert_params_match(model, ref, label)
 
     @with_comms
+    def test_meta_device_init(self):
+        """Note [Meta-device init]: built on ``meta``, parallelized and sharded there, then
+        ``to_empty``: ``MoE.reset_parameters`` leaves no garbage in the router's buffers, and
+        loading the reference weights (DCP's ``set_model_state_dict``) trains as it does."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        batches = [global_batch(s, batch=8, seq_len=7) for s in range(3)]
+        for name in ("dp4_ep2", "dp2_tp2_ep4_sp"):
+            ref = make_model(use_expert_bias=True)
+            with torch.device("meta"):
+                meta = make_model(use_expert_bias=True)
+            model, opt = build_layout(name, meta)
+            model.to_empty(device="cpu")
+            moes = [m for m in model.modules() if isinstance(m, MoE)]
+            with torch.no_grad():  # what uninitialised memory may hold
+                for m in moes:
+                    for buf in m.buffers():
+                        buf.fill_(7)
+            for m in moes:
+                m.reset_parameters()
+                for buf_name, buf in m.named_buffers():
+                    self.assertFalse(_full(buf).any(), f"{name}: {buf_name}")
+            set_model_state_dict(model, ref.state_dict(),
+                                 options=StateDictOptions(full_state_dict=True))
+            losses = self._train(model, opt, batches, local_rows=local_rows(name, self.rank, 8))
+            ref_losses = self._reference(ref, batches)
+            for step, (got, want) in enumerate(zip(losses, ref_losses)):
+                torch.testing.assert_close(_avg(got), want, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, s=step: f"meta {name} loss {s}: {m}")
+            self._assert_params_match(model, ref, f"meta {name}")
+
+    @with_comms
     def test_gloo_needs_sum_reduction_for_expert_divide_factor(self):
         """Why fully_shard_moe forces SUM reductions on CPU: gloo has no PREMUL_SUM."""
         from torch.distributed.fsdp import fully_shard

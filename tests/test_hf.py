@@ -222,6 +222,45 @@ def test_caller_settings(model_type):
     assert model.state_dict().keys() == before.keys()
 
 
+def test_meta_model_converts_without_allocating():
+    """Note [Meta-device init]: a block on ``meta`` gives a layer on ``meta``, made there. Its
+    experts here would take 3 TiB as float32 on the CPU, which no test machine has."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=16384, moe_intermediate_size=16384, num_experts=1024,
+                            num_experts_per_tok=8, norm_topk_prob=True)
+    with torch.device("meta"):
+        block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+    moe = hf.moe_from_hf(block)
+    assert all(t.is_meta for t in [*moe.parameters(), *moe.buffers()])
+    assert moe.experts.w1.shape == (1024, 16384, 16384) and moe.experts.w1.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32  # put back
+
+    model = hf_model("deepseek_v3")  # a whole model: built on meta, swapped, materialised
+    with torch.device("meta"):
+        meta_model = type(model)(model.config)
+    names = hf.replace_moe_blocks(meta_model)
+    meta_model.to_empty(device="cpu")
+    swapped = copy.deepcopy(model)
+    hf.replace_moe_blocks(swapped)
+    meta_model.load_state_dict(swapped.state_dict(), strict=True)
+    persistent = swapped.state_dict().keys()
+    with torch.no_grad():  # HF's own non-persistent buffers (rotary inv_freq) are HF's to set
+        for name, buf in swapped.named_buffers():
+            if name not in persistent and ".router." not in name:
+                meta_model.get_buffer(name).copy_(buf)
+    for name in names:  # ours: not in a checkpoint (Note [Meta-device init])
+        router = meta_model.get_submodule(name).router
+        router.tokens_per_expert.fill_(7)  # what uninitialised memory may hold
+        router.reset_counters()
+        assert not router.tokens_per_expert.any()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits, _ = _forward_backward(meta_model, ids)
+    logits_ref, _ = _forward_backward(model, ids)
+    close(logits, logits_ref, "logits")
+
+
 def test_dtype_device_mode_and_no_shared_storage():
     block = hf_model("qwen2_moe").model.layers[0].mlp.to(torch.float64).eval()
     moe = hf.moe_from_hf(block)

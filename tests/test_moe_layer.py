@@ -379,6 +379,35 @@ def test_two_forwards_before_backward():
         close(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(num_shared_experts=1, shared_hidden_dim=8, use_expert_bias=True, capacity_factor=1.0),
+    dict(score_func="sigmoid", shared_expert_gate=True, num_shared_experts=2, shared_hidden_dim=8),
+])
+def test_meta_init_then_reset_parameters(overrides):
+    """Note [Meta-device init]: built on ``meta``, materialised by ``to_empty`` (garbage
+    memory), then ``reset_parameters``: every parameter drawn afresh with ``init_std``, the
+    expert bias and the counters zero, and a training step that counts its tokens."""
+    cfg = MoEConfig(dim=D, hidden_dim=H, num_experts=64, top_k=2, init_std=0.3, **overrides)
+    with torch.device("meta"):
+        moe = MoE(cfg)
+    assert all(t.is_meta for t in [*moe.parameters(), *moe.buffers()])
+    moe.to_empty(device="cpu")
+    with torch.no_grad():  # what uninitialised memory may hold
+        for t in [*moe.parameters(), *moe.buffers()]:
+            t.copy_(torch.full_like(t, 7))
+    moe.reset_parameters()
+    for name, p in moe.named_parameters():
+        p = p.detach()
+        assert abs(float(p.std()) - 0.3) < 0.1 and abs(float(p.mean())) < 0.1, name
+    buffers = dict(moe.named_buffers())
+    assert all(not b.any() for b in buffers.values()), buffers
+    assert set(buffers) >= {"router.tokens_per_expert"}
+    x = torch.randn(2, 7, D)
+    moe(x).sum().backward()
+    assert int(moe.router.tokens_per_expert.sum()) == 2 * 7 * 2
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in moe.parameters())
+
+
 def test_public_api_and_children():
     import dtensor_moe
 

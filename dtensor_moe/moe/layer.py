@@ -30,6 +30,21 @@ from dtensor_moe.moe.tokens import RoutedTokens
 
 __all__ = ["MoE"]
 
+# Note [Meta-device init]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Large models are built on the ``meta`` device (``with torch.device("meta"): model = ...``),
+# parallelized and sharded there (``parallelize_moe``, ``fully_shard_moe``), then materialised
+# with ``model.to_empty(device=...)``, whose memory holds garbage. ``MoE.reset_parameters``
+# then initialises everything construction does, the router's buffers included (a garbage
+# ``expert_bias`` would steer the routing; garbage counters would mislead ``load_stats`` and
+# ``update_expert_bias``). A generic loop that calls
+# ``reset_parameters`` on every module also reaches ``router.gate`` and the shared experts'
+# ``nn.Linear`` children, whose own reset is torch's Kaiming init, after the MoE's: call
+# ``MoE.reset_parameters`` last, or instead. Loading a checkpoint instead sets the parameters
+# and the expert bias (persistent) but not the counters (not persistent): call
+# ``router.reset_counters()``. ``dtensor_moe.hf.moe_from_hf`` builds on the block's device, so a
+# ``meta`` HF model converts without allocating. ``tests/test_moe_composable.py`` checks it.
+
 
 class MoE(nn.Module):
     """Mixture-of-Experts feed-forward layer; ``y = moe(x)`` keeps shape, dtype and device.
@@ -106,6 +121,21 @@ class MoE(nn.Module):
             )
         # Configuration set once by PrepareMoEInput (a TokenParallel), ``None`` otherwise.
         self.token_parallel: object | None = None
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter and buffer as construction does: the router's gate
+        (normal, ``init_std``), expert bias (zero) and counters (zero), the routed and the shared
+        experts (normal, ``init_std``). The values differ from a fresh construction's under the
+        same seed (construction also runs ``nn.Linear``'s own init first).
+
+        For a layer built on the ``meta`` device (Note [Meta-device init]): after
+        ``model.to_empty(device=...)``, call it on every :class:`MoE`, or load a checkpoint and
+        then :meth:`~dtensor_moe.moe.router.TokenChoiceTopKRouter.reset_counters`.
+        """
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
 
     def forward(self, x: torch.Tensor, *, tokens: RoutedTokens | None = None) -> torch.Tensor:
         """``x`` ``(B, L, D)``; ``tokens`` is for parallel styles (Note [One forward])."""

@@ -231,7 +231,14 @@ class TokenChoiceTopKRouter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Initialise the gate (normal, ``init_std``) and zero the expert bias and the counters,
+        as construction does: after ``to_empty`` of a router built on the ``meta`` device
+        nothing is left uninitialised."""
         nn.init.normal_(self.gate.weight, std=self.config.init_std)
+        with torch.no_grad():
+            if self.expert_bias is not None:
+                self.expert_bias.zero_()
+        self.reset_counters()
 
     def forward(
         self,

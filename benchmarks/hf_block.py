@@ -134,9 +134,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=11)
     args = p.parse_args()
-    if args.family == "deepseek_v3" and args.experts % 8:
-        p.error(f"--family deepseek_v3 uses 8 expert groups: --experts must be a multiple of 8, "
-                f"got {args.experts}")
+    if args.repeats < 1 or args.warmup < 0 or args.tokens < 1:
+        p.error("--repeats and --tokens must be at least 1, --warmup at least 0")
+    if not 1 <= args.top_k <= args.experts:
+        p.error(f"--top-k must be between 1 and --experts ({args.experts}), got {args.top_k}")
+    if args.family == "deepseek_v3" and (args.experts % 8 or args.experts < 16
+                                         or args.top_k > args.experts // 2):
+        p.error(f"--family deepseek_v3 routes in 8 expert groups of which a token uses 4: "
+                f"--experts must be a multiple of 8 and at least 16, and --top-k at most half "
+                f"of it; got --experts {args.experts} --top-k {args.top_k}")
     if args.device != "cpu":
         try:
             torch.empty(0, device=args.device)

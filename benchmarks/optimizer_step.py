@@ -193,6 +193,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.device != "cpu":
+        if ":" in args.device:
+            parser.error(f"--device takes a device type, got {args.device!r}: pick the GPU "
+                         "with CUDA_VISIBLE_DEVICES instead")
         try:
             torch.empty(0, device=args.device)
         except (RuntimeError, AssertionError) as err:

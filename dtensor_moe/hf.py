@@ -301,7 +301,15 @@ def _with_settings(config: MoEConfig, settings: dict) -> MoEConfig:
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """``torch.set_default_dtype(dtype)`` for the block, then the previous default again."""
+    """``torch.set_default_dtype(dtype)`` for the block, then the previous default again.
+
+    The default dtype is process-wide: another thread that creates float tensors meanwhile gets
+    ``dtype`` too. A dtype the default cannot take (float8) leaves the default alone; the caller
+    casts afterwards.
+    """
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        yield
+        return
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -340,6 +348,7 @@ def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
     gate_up = block.experts.gate_up_proj
     with torch.device(gate_up.device), _default_dtype(gate_up.dtype):
         moe = MoE(config)  # made where and as the block's experts are: no copy, none on the CPU
+    moe.to(gate_up.dtype)  # a no-op, except for a dtype the default cannot take (float8)
     H = config.hidden_dim
     # The router keeps HF's gate dtype: DeepSeek-V3 and GLM4-MoE keep theirs in float32 in a
     # bf16 model, and our router then computes its logits in float32 too, as theirs does.
@@ -410,7 +419,7 @@ def replace_moe_blocks(model: nn.Module, **settings: Any) -> list[str]:
         if _looks_like_moe_block(module) or any(f.matches(module) for f in _FAMILIES):
             family = _family_of(module)  # TypeError for an unsupported family
             _check_block(family, module)
-            _with_settings(_config_of(family, module), settings)
+            _with_settings(_config_of(family, module), settings)  # every check before a swap
             found.append((name, module))
     if not found:
         raise ValueError(

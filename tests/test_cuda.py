@@ -17,7 +17,8 @@ added after it. They check, on the device:
   one-rank NCCL process group) against torch's own fused step on plain tensors, bit for bit and
   with no collective (Adagrad: where torch has no fused CUDA kernel, both sides must raise
   torch's error); ``GradScaler("cuda")`` and ``clip_grad_norm_`` over the same meshes;
-- ``grouped_swiglu`` with its counts as host ints, a CPU tensor or a device tensor.
+- ``grouped_swiglu`` with its counts as host ints, a CPU tensor or a device tensor (the offsets
+  follow the rows to the device).
 
 ``DTENSOR_MOE_TEST_DEVICE=cpu`` runs the same tests on the CPU with gloo (a check of the tests
 themselves; the CPU suite covers the product there).
@@ -200,7 +201,8 @@ def test_fused_step_bits_equal_plain_step_and_rerun(name, dtype):
 @pytest.mark.parametrize("kind", ["list", "cpu tensor", "device tensor"])
 def test_grouped_swiglu_takes_counts_from_anywhere(kind):
     """The public ``grouped_swiglu`` on device rows, with its counts as host ints, a CPU tensor
-    or a device tensor, against per-expert matmuls."""
+    or a device tensor (``_swiglu_grouped_mm`` moves them to the rows' device), against
+    per-expert matmuls."""
     from dtensor_moe.moe.experts import grouped_swiglu
 
     gen = torch.Generator().manual_seed(3)

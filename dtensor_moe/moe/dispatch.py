@@ -338,9 +338,10 @@ def combine_score_grads(
 # 'BFloat16'", which made every bf16 backward of the layer fail on a GPU, the plain, loop and
 # expert-parallel paths included (found on an H200; the CPU kernel takes bfloat16). Off the CPU,
 # :func:`combine_score_grads` therefore upcasts its two bf16 inputs to float32 first. The kernel
-# accumulates in float32 either way, so the dots are as exact as the CPU's, and they stay float32
-# instead of being rounded to bf16 (the scores they flow into are float32). The cost is the
-# float32 copies of ``grad_TD`` and ``out_RD`` (``(T + R) * D * 4`` bytes, freed at once).
+# accumulates in float32 either way, and the callers cast the dots to the scores' dtype (bf16 in
+# a bf16 layer) as before, so on the CPU the branch gives the bf16 kernel's bits exactly
+# (``tests/test_moe_layer.py`` checks it). The cost is the float32 copies of ``grad_TD`` and
+# ``out_RD`` (``(T + R) * D * 4`` bytes, freed at once).
 # ``tests/test_cuda.py`` keeps a test that the plain op still fails, so that this can go when
 # torch gains the kernel, and checks the layer in bf16 on the GPU against a float64 reference;
 # ``tests/test_moe_layer.py`` takes the branch on the CPU. Other accelerators take the same path

@@ -379,8 +379,9 @@ def grouped_swiglu(
         chosen = resolve_compute_path(chosen, x_RD, w1_eHD, counts)
     if counts is not None and sum(counts) != x_RD.shape[0]:
         raise ValueError(f"counts_e sums to {sum(counts)} but x_RD has {x_RD.shape[0]} rows")
-    if chosen == "grouped_mm":  # the offsets must sit on the rows' device (host counts too)
-        counts_e = torch.as_tensor(counts_e, dtype=torch.int64, device=x_RD.device)
+    if chosen == "grouped_mm":
+        if not isinstance(counts_e, torch.Tensor):
+            counts_e = torch.tensor(counts, dtype=torch.int64)
         return _swiglu_grouped_mm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e)
     if chosen == "bmm":
         return _swiglu_bmm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts[0])

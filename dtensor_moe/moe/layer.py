@@ -43,7 +43,13 @@ __all__ = ["MoE"]
 # ``MoE.reset_parameters`` last, or instead. Loading a checkpoint instead sets the parameters
 # and the expert bias (persistent) but not the counters (not persistent): call
 # ``router.reset_counters()``. ``dtensor_moe.hf.moe_from_hf`` builds on the block's device, so a
-# ``meta`` HF model converts without allocating. ``tests/test_moe_composable.py`` checks it.
+# ``meta`` HF model converts without allocating. Sharded parameters: torch's DTensor random ops
+# give each shard its own part of one random stream only on CUDA-like devices
+# (``torch.distributed.tensor._random.is_rng_supported_mesh``); on CPU meshes every rank draws
+# the same values for its shard, so the experts of different EP ranks repeat one another. There,
+# load a checkpoint after ``to_empty``. Tests: ``tests/test_moe_layer.py``,
+# ``tests/test_hf.py`` and ``tests/test_fsdp_moe.py::test_meta_device_init`` (which also shows
+# the CPU repetition, so that this paragraph changes when torch does).
 
 
 class MoE(nn.Module):

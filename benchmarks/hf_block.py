@@ -134,8 +134,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=11)
     args = p.parse_args()
-    if args.repeats < 1 or args.warmup < 0 or args.tokens < 1:
-        p.error("--repeats and --tokens must be at least 1, --warmup at least 0")
+    small = [f"--{n.replace('_', '-')}" for n in ("repeats", "tokens", "dim", "hidden", "threads")
+             if getattr(args, n) < 1]
+    if small or args.warmup < 0:
+        p.error(f"{', '.join(small) or '--warmup'}: must be at least 1 (--warmup at least 0)")
     if not 1 <= args.top_k <= args.experts:
         p.error(f"--top-k must be between 1 and --experts ({args.experts}), got {args.top_k}")
     if args.family == "deepseek_v3" and (args.experts % 8 or args.experts < 16

@@ -192,6 +192,9 @@ def main() -> None:
         help="cpu (4 gloo processes), or an accelerator such as cuda (one process, one device)",
     )
     args = parser.parse_args()
+    if args.steps < 1 or args.repeats < 1:
+        parser.error(f"--steps and --repeats must be at least 1, got {args.steps} and "
+                     f"{args.repeats}")
     if args.device != "cpu":
         if ":" in args.device:
             parser.error(f"--device takes a device type, got {args.device!r}: pick the GPU "

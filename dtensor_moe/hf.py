@@ -328,9 +328,11 @@ def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
     so the output is then no longer HF's). The fields the block defines
     (:data:`HF_DEFINED_FIELDS`) are read from it.
 
-    The new layer is made on the experts' device and in their dtype, so a block on the ``meta``
-    device converts in no time and allocates nothing (build a large model on ``meta``, convert,
-    parallelize, then ``to_empty`` and load). It has the block's training mode; the router
+    The new layer is made on the experts' device and in their dtype (float8: in float32, then
+    cast), so a block on the ``meta`` device converts in no time and allocates nothing (build a
+    large model on ``meta``, convert, parallelize, then ``to_empty`` and load). It sets torch's
+    process-wide default dtype while it builds the layer, so other threads must not create
+    float tensors meanwhile. It has the block's training mode; the router
     gate keeps the HF gate's dtype and the correction bias stays float32 (a bf16 DeepSeek-V3
     keeps both in float32 and routes in float32, and so does the converted layer). It shares no
     storage with the block. Its ``hf_source`` records the family (used by :func:`to_hf_state_dict`).

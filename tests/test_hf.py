@@ -260,9 +260,9 @@ def test_meta_model_converts_without_allocating():
 
 
 def test_compiled_decoder_layers():
-    """Each decoder layer of a swapped HF model under ``torch.compile`` (as torchtitan compiles
-    blocks): the same logits and gradients as eager, and no graph break but the router counter's
-    (Note [MoE under torch.compile] in ``moe/layer.py``)."""
+    """Each decoder layer of a swapped HF model under ``torch.compile`` (per layer,
+    ``fullgraph=False``): the same logits and gradients as eager, and no graph break but the
+    router counter's in training (Note [MoE under torch.compile] in ``moe/layer.py``)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 

@@ -392,8 +392,9 @@ def test_two_forwards_before_backward():
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(num_shared_experts=1, shared_hidden_dim=8, use_expert_bias=True, capacity_factor=1.0),
-    dict(score_func="sigmoid", shared_expert_gate=True, num_shared_experts=2, shared_hidden_dim=8),
+    dict(num_shared_experts=1, shared_hidden_dim=64, use_expert_bias=True, capacity_factor=1.0),
+    dict(score_func="sigmoid", shared_expert_gate=True, num_shared_experts=2,
+         shared_hidden_dim=128),
 ])
 def test_meta_init_then_reset_parameters(overrides):
     """Note [Meta-device init]: built on ``meta``, materialised by ``to_empty`` (garbage
@@ -409,11 +410,17 @@ def test_meta_init_then_reset_parameters(overrides):
             t.copy_(torch.full_like(t, 7))
     torch.manual_seed(0)
     moe.reset_parameters()
+    small = []
     for name, p in moe.named_parameters():
         p = p.detach()
         assert not (p == 7).any(), name  # every element drawn afresh
-        if p.numel() >= 1024:  # the large ones: the configured distribution
+        if p.numel() >= 1024:  # the configured distribution, weight by weight
             assert abs(float(p.std()) - 0.3) < 0.03 and abs(float(p.mean())) < 0.03, name
+        else:  # the shared gate (16 values): pooled below
+            small.append(p.reshape(-1))
+    if small:
+        pooled = torch.cat(small)
+        assert abs(float(pooled.std()) - 0.3) < 0.1, [p.numel() for p in small]
     buffers = dict(moe.named_buffers())
     assert all(not b.any() for b in buffers.values()), buffers
     assert set(buffers) >= {"router.tokens_per_expert"}

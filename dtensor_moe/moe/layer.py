@@ -45,9 +45,11 @@ __all__ = ["MoE"]
 # ``router.reset_counters()``. ``dtensor_moe.hf.moe_from_hf`` builds on the block's device, so a
 # ``meta`` HF model converts without allocating. Sharded parameters: torch's DTensor random ops
 # give each shard its own part of one random stream only on CUDA-like devices
-# (``torch.distributed.tensor._random.is_rng_supported_mesh``); on CPU meshes every rank draws
-# the same values for its shard, so the experts of different EP ranks repeat one another. There,
-# load a checkpoint after ``to_empty``. Tests: ``tests/test_moe_layer.py``,
+# (``torch.distributed.tensor._random.is_rng_supported_mesh``). On CPU meshes every rank draws
+# its shard from its own generator, so when the ranks share a seed every shard repeats the
+# others (the experts of different EP ranks, FSDP's shards too); torch warns "DTensor random
+# operators may not have complete support on cpu device mesh". There, load a checkpoint after
+# ``to_empty``. The CUDA side has not run here (no multi-GPU machine). Tests: ``tests/test_moe_layer.py``,
 # ``tests/test_hf.py`` and ``tests/test_fsdp_moe.py::test_meta_device_init`` (which also shows
 # the CPU repetition, so that this paragraph changes when torch does).
 

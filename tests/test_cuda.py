@@ -43,6 +43,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import dtensor_moe
 from dtensor_moe import MoE, MoEConfig
 from tests._optim_cases import OPTIM_CASES, make_optimizer
+from tests.test_moe_layer import _swiglu
 
 DEVICE = os.environ.get("DTENSOR_MOE_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(
@@ -97,10 +98,6 @@ def _selection(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
             mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
             scores = grouped.masked_fill(mask[..., None], float("-inf")).view_as(scores)
         return scores.topk(cfg.top_k, dim=-1).indices
-
-
-def _swiglu(x, w1, w2, w3):
-    return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
 
 
 def reference(moe: MoE, x: torch.Tensor):

@@ -340,12 +340,11 @@ def combine_score_grads(
 # :func:`combine_score_grads` therefore upcasts its two bf16 inputs to float32 first. The kernel
 # accumulates in float32 either way, and the callers cast the dots to the scores' dtype (bf16 in
 # a bf16 layer) as before, so on the CPU the branch gives the bf16 kernel's bits exactly
-# (``tests/test_moe_layer.py`` checks it). The cost is the float32 copies of ``grad_TD`` and
-# ``out_RD`` (``(T + R) * D * 4`` bytes, freed at once).
-# ``tests/test_cuda.py`` keeps a test that the plain op still fails, so that this can go when
-# torch gains the kernel, and checks the layer in bf16 on the GPU against a float64 reference;
-# ``tests/test_moe_layer.py`` takes the branch on the CPU. Other accelerators take the same path
-# rather than be probed.
+# (``tests/test_moe_layer.py`` takes it there and checks that). The cost is the float32 copies
+# of ``grad_TD`` and ``out_RD`` (``(T + R) * D * 4`` bytes, freed at once). ``tests/test_cuda.py``
+# keeps a test that the plain op still fails, so that this can go when torch gains the kernel,
+# and checks the layer in bf16 on the GPU against a float64 reference. Other accelerators take
+# the same path rather than be probed.
 
 
 def combine_row_grads(

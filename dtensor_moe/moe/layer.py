@@ -34,24 +34,23 @@ __all__ = ["MoE"]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # Large models are built on the ``meta`` device (``with torch.device("meta"): model = ...``),
 # parallelized and sharded there (``parallelize_moe``, ``fully_shard_moe``), then materialised
-# with ``model.to_empty(device=...)``, whose memory holds garbage. ``MoE.reset_parameters``
-# then initialises everything construction does, the router's buffers included (a garbage
+# with ``model.to_empty(device=...)``, whose memory holds garbage. ``MoE.reset_parameters`` then
+# initialises everything construction does, the router's buffers included (a garbage
 # ``expert_bias`` would steer the routing; garbage counters would mislead ``load_stats`` and
-# ``update_expert_bias``). A generic loop that calls
-# ``reset_parameters`` on every module also reaches ``router.gate`` and the shared experts'
-# ``nn.Linear`` children, whose own reset is torch's Kaiming init, after the MoE's: call
-# ``MoE.reset_parameters`` last, or instead. Loading a checkpoint instead sets the parameters
-# and the expert bias (persistent) but not the counters (not persistent): call
-# ``router.reset_counters()``. ``dtensor_moe.hf.moe_from_hf`` builds on the block's device, so a
-# ``meta`` HF model converts without allocating. Sharded parameters: torch's DTensor random ops
-# give each shard its own part of one random stream only on CUDA-like devices
-# (``torch.distributed.tensor._random.is_rng_supported_mesh``). On CPU meshes every rank draws
-# its shard from its own generator, so when the ranks share a seed every shard repeats the
-# others (the experts of different EP ranks, FSDP's shards too); torch warns "DTensor random
-# operators may not have complete support on cpu device mesh". There, load a checkpoint after
-# ``to_empty``. The CUDA side has not run here (no multi-GPU machine). Tests: ``tests/test_moe_layer.py``,
-# ``tests/test_hf.py`` and ``tests/test_fsdp_moe.py::test_meta_device_init`` (which also shows
-# the CPU repetition, so that this paragraph changes when torch does).
+# ``update_expert_bias``). A generic loop that calls ``reset_parameters`` on every module also
+# reaches ``router.gate`` and the shared experts' ``nn.Linear`` children, whose own reset is
+# torch's Kaiming init, after the MoE's: call ``MoE.reset_parameters`` last, or instead. Loading a
+# checkpoint instead sets the parameters and the expert bias (persistent) but not the counters
+# (not persistent): call ``router.reset_counters()``. ``dtensor_moe.hf.moe_from_hf`` builds on the
+# block's device, so a ``meta`` HF model converts without allocating. Sharded parameters: torch's
+# DTensor random ops give each shard its own part of one random stream only on CUDA-like devices
+# (``torch.distributed.tensor._random.is_rng_supported_mesh``). On CPU meshes every rank draws its
+# shard from its own generator, so when the ranks share a seed every shard repeats the others (the
+# experts of different EP ranks, FSDP's shards too); torch warns "DTensor random operators may not
+# have complete support on cpu device mesh". There, load a checkpoint after ``to_empty``. The CUDA
+# side has not run here (no multi-GPU machine). Tests: ``tests/test_moe_layer.py``,
+# ``tests/test_hf.py`` and ``tests/test_fsdp_moe.py::test_meta_device_init`` (which also shows the
+# CPU repetition, so that this paragraph changes when torch does).
 
 
 class MoE(nn.Module):

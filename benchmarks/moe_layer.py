@@ -41,6 +41,11 @@ graph breaks, and the frames it compiled again during the timed repeats (recompi
 the guards hold). ``--compile-cache fresh`` compiles into an empty inductor cache, as a first
 run does; ``default`` reuses torch's cache directory, as later runs do.
 
+``--profile N`` (layout single) runs ``N`` more steps and ``N`` floors under ``torch.profiler``
+after the timed repeats, and prints each one's operators by self time (device time on an
+accelerator, CPU time otherwise), per step, with the count of device kernels per step: where
+``step - floor`` goes.
+
 ``--free-exchanges`` is a diagnostic for the parallel layouts: the one-node expert-parallel
 path's all-to-alls become local copies, as if every rank received exactly the rows it sent.
 The outputs are wrong, but the work is that of a symmetric exchange, so the ratio shows what
@@ -258,6 +263,8 @@ def run_single(args: argparse.Namespace) -> dict[str, object]:
         fns["compiled"] = _step_fn(_compiled(moe, args), x, grad_y)
     timer = _timed_cpu if args.device == "cpu" else _timed_synced
     measured = _measure(timer, args, {**fns, "floor": floor})
+    if args.profile:
+        _profile(args, {"step": fns["step"], "floor": floor})
     wall = _medians(measured["times"], 0)
     result = {
         "path": path,
@@ -273,6 +280,36 @@ def run_single(args: argparse.Namespace) -> dict[str, object]:
             "compiled_floor_ratio": wall["compiled/floor"],
         }
     return result
+
+
+def _profile(args: argparse.Namespace, fns: dict[str, Callable[[], None]]) -> None:
+    """``--profile``: each of ``fns`` run ``args.profile`` times under ``torch.profiler``; prints
+    the operators by self time per call, and the device kernels per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_device = args.device != "cpu"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    key = "self_device_time_total" if on_device else "self_cpu_time_total"
+    for name, fn in fns.items():
+        fn()  # outside the profile: nothing of the previous entry's is still queued
+        if on_device:
+            torch.accelerator.synchronize()
+        with profile(activities=activities) as prof:
+            for _ in range(args.profile):
+                fn()
+            if on_device:
+                torch.accelerator.synchronize()
+        # The operators' own time: on a device, the kernels each operator launched (the table's
+        # kernel rows repeat those, so only operators, the host-side events, are summed).
+        ops = [e for e in prof.events() if str(e.device_type).endswith("CPU")]
+        total = sum(getattr(e, key) for e in ops) / args.profile / 1e3
+        print(f"--- profile of {name}: {args.profile} calls; {'device' if on_device else 'CPU'} "
+              f"time {total:.2f} ms per call")
+        events = prof.key_averages()
+        if on_device:  # kernels and copies: events that ran on the device
+            kernels = sum(1 for e in prof.events() if str(e.device_type).endswith("CUDA"))
+            print(f"device kernels and copies per call: {kernels / args.profile:.0f}")
+        print(events.table(sort_by=key, row_limit=args.profile_rows, max_name_column_width=60))
 
 
 @dataclass(frozen=True)
@@ -542,6 +579,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="layout single: profile N more steps and floors with torch.profiler")
+    p.add_argument("--profile-rows", type=int, default=30,
+                   help="operators printed per --profile table")
     p.add_argument(
         "--free-exchanges",
         action="store_true",
@@ -596,6 +637,10 @@ def _parse() -> argparse.Namespace:
             torch.empty(0, device=args.device)
         except (RuntimeError, AssertionError) as err:
             p.error(f"--device {args.device} is not available here: {err}")
+    if args.profile and args.layout in PARALLEL:
+        p.error("--profile needs --layout single")
+    if args.profile < 0 or args.profile_rows < 1:
+        p.error("--profile needs N >= 0 and --profile-rows >= 1")
     if args.free_exchanges and args.layout not in PARALLEL:
         p.error("--free-exchanges needs a parallel --layout")
     if args.preset:

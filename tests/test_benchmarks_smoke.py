@@ -36,13 +36,18 @@ def test_optimizer_step_benchmark_prints_every_case_and_mode():
 
 @pytest.mark.parametrize("layout", ["single", "ep2tp2"])
 def test_moe_layer_benchmark_runs(layout):
+    profile = ("--profile", "2", "--profile-rows", "4") if layout == "single" else ()
     out = _run(
         "benchmarks/moe_layer.py", "--layout", layout, "--tokens", "64", "--dim", "32",
-        "--hidden", "64", "--warmup", "1", "--repeats", "2",
+        "--hidden", "64", "--warmup", "1", "--repeats", "2", *profile,
     )
     assert f"layout={layout}" in out, out
     assert "step / floor (median of per-repeat ratios):" in out, out
-    if layout != "single":
+    if layout == "single":  # --profile: one table for the step, one for the floor
+        assert re.findall(r"^--- profile of (\w+): 2 calls; CPU time [\d.]+ ms per call$", out,
+                          re.M) == ["step", "floor"], out
+        assert "aten::_grouped_mm" in out, out
+    else:
         assert "process CPU per rank (all threads, mean over ranks, median): step " in out, out
         # ep2tp2 runs the one-node expert-parallel path: its five exchanges are replayed alone.
         assert "the one-node path's 5 all-to-alls replayed alone: wall " in out, out
@@ -141,6 +146,8 @@ def test_device_flags_are_checked_before_running():
     """The GPU runs of ``benchmarks/gpu.sh`` use these flags; here they fail cleanly."""
     err = _run("benchmarks/moe_layer.py", "--full-size", returncode=2)
     assert "--full-size needs --preset" in err, err
+    err = _run("benchmarks/moe_layer.py", "--layout", "ep2", "--profile", "1", returncode=2)
+    assert "--profile needs --layout single" in err, err
     err = _run("benchmarks/moe_layer.py", "--preset", "qwen3", "--full-size", "--dim", "64",
                returncode=2)
     assert "--full-size sets --dim 2048; leave it out" in err, err

@@ -121,13 +121,7 @@ def _build(args: argparse.Namespace) -> tuple[MoE, torch.Tensor, torch.Tensor]:
     )
     dtype = DTYPES[args.dtype]
     if args.full_size and args.device != "cpu":  # made on the device, in its dtype: no copies
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(args.device):
-                moe = MoE(config)
-        finally:
-            torch.set_default_dtype(default)
+        moe = MoE(config, device=args.device, dtype=dtype)
     else:
         moe = MoE(config).to(device=args.device, dtype=dtype)  # the same weights everywhere
     x = torch.randn(1, args.tokens, args.dim, dtype=dtype).to(args.device).requires_grad_()

@@ -58,12 +58,11 @@ which :func:`to_hf_state_dict` uses to write the HF keys back.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 try:
     import transformers  # noqa: F401  (the extra this module needs)
@@ -77,7 +76,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtensor_moe.moe.config import MoEConfig
+from dtensor_moe.moe.config import FACTORY_DTYPES, MoEConfig
 from dtensor_moe.moe.layer import MoE
 
 __all__ = [
@@ -299,25 +298,6 @@ def _with_settings(config: MoEConfig, settings: dict) -> MoEConfig:
     return dataclasses.replace(config, **settings) if settings else config
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """``torch.set_default_dtype(dtype)`` for the block, then the previous default again.
-
-    The default dtype is process-wide: another thread that creates float tensors meanwhile gets
-    ``dtype`` too. A dtype the default cannot take (float8) leaves the default alone; the caller
-    casts afterwards.
-    """
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        yield
-        return
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 @torch.no_grad()
 def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
     """One HF sparse MoE block as a :class:`MoE` with the same weights and math.
@@ -330,9 +310,8 @@ def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
 
     The new layer is made on the experts' device and in their dtype (float8: in float32, then
     cast), so a block on the ``meta`` device converts in no time and allocates nothing (build a
-    large model on ``meta``, convert, parallelize, then ``to_empty`` and load). It sets torch's
-    process-wide default dtype while it builds the layer, so other threads must not create
-    float tensors meanwhile. It has the block's training mode; the router
+    large model on ``meta``, convert, parallelize, then ``to_empty`` and load). No global
+    default of torch changes. It has the block's training mode; the router
     gate keeps the HF gate's dtype and the correction bias stays float32 (a bf16 DeepSeek-V3
     keeps both in float32 and routes in float32, and so does the converted layer). It shares no
     storage with the block. Its ``hf_source`` records the family (used by :func:`to_hf_state_dict`).
@@ -348,9 +327,12 @@ def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
     _check_block(family, block)
     config = _with_settings(_config_of(family, block), settings)
     gate_up = block.experts.gate_up_proj
-    with torch.device(gate_up.device), _default_dtype(gate_up.dtype):
-        moe = MoE(config)  # made where and as the block's experts are: no copy, none on the CPU
-    moe.to(gate_up.dtype)  # a no-op, except for a dtype the default cannot take (float8)
+    # Made where and as the block's experts are: no copy, none on the CPU. A storage dtype the
+    # init cannot draw in (float8) is made in float32 there and cast.
+    storage = gate_up.dtype not in FACTORY_DTYPES
+    moe = MoE(config, device=gate_up.device, dtype=torch.float32 if storage else gate_up.dtype)
+    if storage:
+        moe.to(gate_up.dtype)
     H = config.hidden_dim
     # The router keeps HF's gate dtype: DeepSeek-V3 and GLM4-MoE keep theirs in float32 in a
     # bf16 model, and our router then computes its logits in float32 too, as theirs does.

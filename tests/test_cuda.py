@@ -195,6 +195,23 @@ def test_fused_step_bits_equal_plain_step_and_rerun(name, dtype):
             assert torch.equal(grad, other[2][n]), f"{what}: {n}.grad"
 
 
+def test_made_on_the_device_in_bf16():
+    """``MoE(config, device=, dtype=)`` makes the layer on the device, in bf16 (the expert bias in
+    float32), with no copy from the CPU, and it trains there like one cast with ``.to``."""
+    cfg = MoEConfig(dim=DIM, init_std=0.05, **CONFIGS["deepseek"])
+    moe = MoE(cfg, device=DEVICE, dtype=torch.bfloat16)
+    assert {(p.device.type, p.dtype) for p in moe.parameters()} == {(DEVICE, torch.bfloat16)}
+    assert moe.router.expert_bias.dtype == torch.float32
+    assert moe.router.expert_bias.device.type == DEVICE
+    x = _x(torch.bfloat16)
+    y, x_grad, grads = run_layer(moe, x)
+    y_ref, x_grad_ref, grads_ref = reference(moe, x)
+    assert rel_err(y, y_ref) < REL_TOL[torch.bfloat16]
+    assert rel_err(x_grad, x_grad_ref) < REL_TOL[torch.bfloat16]
+    for n, grad in grads.items():
+        assert rel_err(grad, grads_ref[n]) < REL_TOL[torch.bfloat16], n
+
+
 @pytest.mark.parametrize("kind", ["list", "cpu tensor", "device tensor"])
 def test_grouped_swiglu_takes_counts_from_anywhere(kind):
     """The public ``grouped_swiglu`` on device rows, with its counts as host ints, a CPU tensor

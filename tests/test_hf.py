@@ -220,7 +220,7 @@ def test_caller_settings(model_type):
         hf.moe_from_hf(block, capacity_factor=-1.0)
 
 
-def test_meta_model_converts_without_allocating():
+def test_meta_model_converts_without_allocating(monkeypatch):
     """Note [Meta-device init]: a block on ``meta`` gives a layer on ``meta``, made there. Its
     experts here would take 3 TiB as float32 on the CPU, which no test machine has."""
     from transformers import Qwen3MoeConfig
@@ -230,10 +230,11 @@ def test_meta_model_converts_without_allocating():
                             num_experts_per_tok=8, norm_topk_prob=True)
     with torch.device("meta"):
         block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
-    moe = hf.moe_from_hf(block)
+    with monkeypatch.context() as m:
+        _refuse_global_defaults(m)
+        moe = hf.moe_from_hf(block)
     assert all(t.is_meta for t in [*moe.parameters(), *moe.buffers()])
     assert moe.experts.w1.shape == (1024, 16384, 16384) and moe.experts.w1.dtype == torch.bfloat16
-    assert torch.get_default_dtype() == torch.float32  # put back
 
     model = hf_model("deepseek_v3")  # a whole model: built on meta, swapped, materialised
     with torch.device("meta"):
@@ -287,17 +288,28 @@ def test_compiled_decoder_layers():
     assert reasons and all("count_unless_recompute" in r for r in reasons), reasons
 
 
-def test_dtype_device_mode_and_no_shared_storage():
+def _refuse_global_defaults(monkeypatch) -> None:
+    """The conversion builds with factory arguments (device=, dtype=): it must not change
+    torch's process-wide default dtype or device, which other threads would see."""
+    def refuse(*_args):
+        raise AssertionError("moe_from_hf must not change torch's process-wide defaults")
+
+    monkeypatch.setattr(torch, "set_default_dtype", refuse)
+    monkeypatch.setattr(torch, "set_default_device", refuse)
+
+
+def test_dtype_device_mode_and_no_shared_storage(monkeypatch):
     block = hf_model("qwen2_moe").model.layers[0].mlp.to(torch.float64).eval()
+    blocks = {dtype: hf_model("deepseek_v3").model.layers[1].mlp.to(dtype)
+              for dtype in (torch.bfloat16, torch.float8_e4m3fn)}
+    _refuse_global_defaults(monkeypatch)
     moe = hf.moe_from_hf(block)
     assert not moe.training
     assert all(p.dtype == torch.float64 for p in moe.parameters())
     with torch.no_grad():
         block.experts.gate_up_proj.zero_()
     assert moe.experts.w1.abs().sum() > 0
-    assert torch.get_default_dtype() == torch.float32  # the conversion put it back
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn):  # float8: no default dtype can be it
-        block = hf_model("deepseek_v3").model.layers[1].mlp.to(dtype)
+    for dtype, block in blocks.items():  # float8: made in float32, then cast
         moe = hf.moe_from_hf(block)
         assert {p.dtype for p in moe.parameters()} == {dtype}, dtype
         assert moe.router.expert_bias.dtype == torch.float32

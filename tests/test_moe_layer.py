@@ -391,11 +391,14 @@ def test_two_forwards_before_backward():
         close(p.grad, q.grad)
 
 
-@pytest.mark.parametrize("overrides", [
+_INIT_CONFIGS = [  # every parameter and buffer kind
     dict(num_shared_experts=1, shared_hidden_dim=64, use_expert_bias=True, capacity_factor=1.0),
     dict(score_func="sigmoid", shared_expert_gate=True, num_shared_experts=2,
          shared_hidden_dim=128),
-])
+]
+
+
+@pytest.mark.parametrize("overrides", _INIT_CONFIGS)
 def test_meta_init_then_reset_parameters(overrides):
     """Note [Meta-device init]: built on ``meta``, materialised by ``to_empty`` (garbage
     memory), then ``reset_parameters``: every parameter drawn afresh with ``init_std``, the
@@ -428,6 +431,52 @@ def test_meta_init_then_reset_parameters(overrides):
     moe(x).sum().backward()
     assert int(moe.router.tokens_per_expert.sum()) == 2 * 7 * 2
     assert all(p.grad is not None and p.grad.isfinite().all() for p in moe.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("overrides", _INIT_CONFIGS)
+def test_device_and_dtype_factory_arguments(monkeypatch, overrides, dtype):
+    """``MoE(config, device=, dtype=)`` makes every parameter and buffer there and so, as torch's
+    modules do, without touching torch's global defaults; the expert bias stays float32 and the
+    counters int64. The layer then trains in that dtype."""
+    def refuse(*_args):
+        raise AssertionError("the layer must not change torch's process-wide defaults")
+
+    cfg = MoEConfig(dim=D, hidden_dim=H, num_experts=8, top_k=2, **overrides)
+    monkeypatch.setattr(torch, "set_default_dtype", refuse)
+    monkeypatch.setattr(torch, "set_default_device", refuse)
+    meta = MoE(cfg, device="meta", dtype=dtype)
+    moe = MoE(cfg, device=torch.device("cpu"), dtype=dtype)
+    for layer, device in ((meta, "meta"), (moe, "cpu")):
+        params = dict(layer.named_parameters())
+        assert len(params) >= 5 and all(
+            p.device.type == device and p.dtype == dtype for p in params.values()
+        ), {n: (p.device, p.dtype) for n, p in params.items()}
+        buffers = dict(layer.named_buffers())
+        expected = {"router.tokens_per_expert": torch.int64}
+        if cfg.use_expert_bias:
+            expected["router.expert_bias"] = torch.float32
+        if cfg.has_capacity:
+            expected["router.dropped_per_expert"] = torch.int64
+        assert {n: b.dtype for n, b in buffers.items()} == expected
+        assert all(b.device.type == device for b in buffers.values())
+    assert torch.get_default_dtype() == torch.float32
+    x = torch.randn(2, 5, D, dtype=dtype, requires_grad=True)
+    moe(x).sum().backward()
+    assert x.grad.dtype == dtype and x.grad.isfinite().all()
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in moe.parameters())
+
+
+def test_factory_arguments_are_checked():
+    cfg = MoEConfig(dim=D, hidden_dim=H, num_experts=8, top_k=2)
+    with pytest.raises(ValueError, match=r"made in one of float16, bfloat16, float32, float64; "
+                       r"got dtype=torch.float8_e4m3fn\. For float8 .* build in float32 and "
+                       r"cast with \.to\(dtype\)"):
+        MoE(cfg, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="got dtype=torch.int32"):
+        MoE(cfg, dtype=torch.int32)
+    with pytest.raises(ValueError, match="device='gpu0' is not a torch device"):
+        MoE(cfg, device="gpu0")
 
 
 def test_public_api_and_children():

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+import torch
 
 __all__ = ["AuxLossMode", "AuxLossType", "ComputePath", "DropPolicy", "MoEConfig", "ScoreFunc"]
 
@@ -261,3 +263,31 @@ class MoEConfig:
                 "MoEConfig.pad_to_capacity=True needs a capacity; set capacity_factor (for "
                 "example 1.25) or capacity_per_expert, or leave pad_to_capacity False"
             )
+
+
+# The dtypes the layer's modules are made in (their init draws normal values, which float8 and
+# integer dtypes do not take): the dtypes torch.set_default_dtype accepts.
+FACTORY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def factory_kwargs(
+    device: torch.device | str | int | None, dtype: torch.dtype | None
+) -> dict[str, Any]:
+    """``{"device": ..., "dtype": ...}`` for the layer's constructors, checked.
+
+    Raises:
+        ValueError: ``dtype`` is not a floating dtype the init can draw in (float8: build in
+            float32, then ``.to(dtype)``), or ``device`` is not a device.
+    """
+    if dtype is not None and dtype not in FACTORY_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in FACTORY_DTYPES)
+        raise ValueError(
+            f"the MoE layer is made in one of {names}; got dtype={dtype}. For float8 or "
+            "another storage dtype, build in float32 and cast with .to(dtype) afterwards"
+        )
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device={device!r} is not a torch device: {err}") from None
+    return {"device": device, "dtype": dtype}

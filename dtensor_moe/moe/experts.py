@@ -80,7 +80,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.capacity import Capacity
-from dtensor_moe.moe.config import ComputePath
+from dtensor_moe.moe.config import ComputePath, factory_kwargs
 from dtensor_moe.moe.dispatch import (
     ExpertLayout,
     TokenDispatcher,
@@ -459,6 +459,8 @@ class GroupedExperts(nn.Module):
         dispatcher: a :class:`TokenDispatcher` (default: local, no padding, scores in combine).
             Parallel styles replace it with a communicating subclass.
         init_std: std of the normal weight initialisation.
+        device, dtype: where and in which floating dtype the weights are made (torch's factory
+            arguments; ``None``: torch's defaults).
 
     Forward: ``(x_TD, topk_scores_TK, topk_ids_TK, counts_E) -> y_TD``. The collectives are
     the dispatcher's; this module adds none.
@@ -475,8 +477,11 @@ class GroupedExperts(nn.Module):
         init_std: float = 0.02,
         recompute_experts: bool = False,
         fused_routed_step: bool = True,
+        device: torch.device | str | int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        factory = factory_kwargs(device, dtype)
         if not isinstance(recompute_experts, bool):
             raise TypeError(f"recompute_experts must be a bool, got {recompute_experts!r}")
         if not isinstance(fused_routed_step, bool):
@@ -488,9 +493,9 @@ class GroupedExperts(nn.Module):
         self.dispatcher = (
             dispatcher if dispatcher is not None else TokenDispatcher(num_experts=num_experts)
         )
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -594,18 +599,26 @@ class SharedExperts(nn.Module):
     their concatenation. With ``gated=True`` (``MoEConfig.shared_expert_gate``) the output is
     scaled per token by ``sigmoid(x @ gate.weight.T)``, ``gate`` an ``nn.Linear(dim, 1)`` without
     bias (Qwen2-MoE). No collective runs here. ``x_TD`` may have any leading shape
-    ``(..., dim)``.
+    ``(..., dim)``. ``device`` and ``dtype`` are torch's factory arguments for the weights.
     """
 
     def __init__(
-        self, *, dim: int, hidden_dim: int, init_std: float = 0.02, gated: bool = False
+        self,
+        *,
+        dim: int,
+        hidden_dim: int,
+        init_std: float = 0.02,
+        gated: bool = False,
+        device: torch.device | str | int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        factory = factory_kwargs(device, dtype)
         self.init_std = init_std
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.gate = nn.Linear(dim, 1, bias=False) if gated else None
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False, **factory)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False, **factory)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False, **factory)
+        self.gate = nn.Linear(dim, 1, bias=False, **factory) if gated else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtensor_moe.moe.balance import attach_aux_loss
-from dtensor_moe.moe.config import MoEConfig
+from dtensor_moe.moe.config import MoEConfig, factory_kwargs
 from dtensor_moe.moe.dispatch import TokenDispatcher
 from dtensor_moe.moe.experts import GroupedExperts, SharedExperts
 from dtensor_moe.moe.router import TokenChoiceTopKRouter, count_unless_recompute
@@ -60,10 +60,21 @@ class MoE(nn.Module):
         ``router`` (:class:`TokenChoiceTopKRouter`), ``experts`` (:class:`GroupedExperts`,
         owning ``experts.dispatcher``), ``shared_experts`` (:class:`SharedExperts` or ``None``).
 
+    Args:
+        config: the layer's :class:`MoEConfig`.
+        device, dtype: where and in which floating dtype the parameters and buffers are made,
+            as torch's own modules take them (``None``: torch's current default device and
+            dtype). No global default changes. The router's ``expert_bias`` is float32 whatever
+            ``dtype`` is, and its counters int64. ``device="meta"`` allocates nothing (Note
+            [Meta-device init]). The values drawn depend on the device's and the dtype's random
+            stream, so a layer made on a GPU, or in bf16, does not hold the same numbers as one
+            made on the CPU in float32 under the same seed and cast (``.to``) afterwards.
+
     Example::
 
         moe = MoE(MoEConfig(dim=256, hidden_dim=512, num_experts=8, top_k=2))
         y = moe(torch.randn(4, 128, 256))
+        big = MoE(config, device="cuda", dtype=torch.bfloat16)  # made in place, no copy
 
     No collective runs in forward or backward of the single-process layer; parallel styles add
     them through the dispatcher and the DTensor weights.
@@ -97,12 +108,19 @@ class MoE(nn.Module):
     eagerly (Note [Expert parallelism under torch.compile]).
     """
 
-    def __init__(self, config: MoEConfig) -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        device: torch.device | str | int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoE expects a MoEConfig, got {type(config).__name__}")
+        factory = factory_kwargs(device, dtype)
         self.config = config
-        self.router = TokenChoiceTopKRouter(config)
+        self.router = TokenChoiceTopKRouter(config, **factory)
         dispatcher = TokenDispatcher(
             num_experts=config.num_experts,
             pad_multiple=config.pad_multiple,
@@ -117,6 +135,7 @@ class MoE(nn.Module):
             init_std=config.init_std,
             recompute_experts=config.recompute_experts,
             fused_routed_step=config.fused_routed_step,
+            **factory,
         )
         self.shared_experts = None
         if config.num_shared_experts > 0:
@@ -125,6 +144,7 @@ class MoE(nn.Module):
                 hidden_dim=config.shared_hidden_total,
                 init_std=config.init_std,
                 gated=config.shared_expert_gate,
+                **factory,
             )
         # Configuration set once by PrepareMoEInput (a TokenParallel), ``None`` otherwise.
         self.token_parallel: object | None = None

@@ -21,7 +21,7 @@ from torch import nn
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.capacity import Capacity, capacity_keep, expert_capacity, round_up
-from dtensor_moe.moe.config import MoEConfig
+from dtensor_moe.moe.config import MoEConfig, factory_kwargs
 from dtensor_moe.moe.losses import (
     aux_loss_from_sums,
     router_losses,
@@ -200,7 +200,8 @@ class TokenChoiceTopKRouter(nn.Module):
         part of ``tokens_per_expert`` that the experts dropped for capacity, counted alike.
 
     The logits are computed in the gate weight's dtype (the input is cast to it): a float32 gate
-    in a bf16 model routes in float32, as DeepSeek-V3's router does.
+    in a bf16 model routes in float32, as DeepSeek-V3's router does. ``device`` and ``dtype``
+    (torch's factory arguments) place the gate and the buffers; the buffers keep their dtypes.
 
     Attributes:
         last_aux_loss: detached value of the last balance loss, for logging only (``None``
@@ -215,13 +216,24 @@ class TokenChoiceTopKRouter(nn.Module):
     ``"global_batch"`` balance loss with an ``aux_loss_group``.
     """
 
-    def __init__(self, config: MoEConfig) -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        device: torch.device | str | int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
+        factory = factory_kwargs(device, dtype)
+        device = factory["device"]
         self.config = config
-        self.gate = nn.Linear(config.dim, config.num_experts, bias=False)
-        bias = torch.zeros(config.num_experts) if config.use_expert_bias else None
+        self.gate = nn.Linear(config.dim, config.num_experts, bias=False, **factory)
+        E = config.num_experts
+        bias = None
+        if config.use_expert_bias:
+            bias = torch.zeros(E, dtype=torch.float32, device=device)
         self.register_buffer("expert_bias", bias, persistent=True)
-        counts = torch.zeros(config.num_experts, dtype=torch.int64)
+        counts = torch.zeros(E, dtype=torch.int64, device=device)
         self.register_buffer("tokens_per_expert", counts, persistent=False)
         dropped = torch.zeros_like(counts) if config.has_capacity else None
         self.register_buffer("dropped_per_expert", dropped, persistent=False)

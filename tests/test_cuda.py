@@ -212,6 +212,23 @@ def test_made_on_the_device_in_bf16():
         assert rel_err(grad, grads_ref[n]) < REL_TOL[torch.bfloat16], n
 
 
+def test_module_cast_to_the_device_keeps_the_expert_bias_float32():
+    """Note [Expert bias keeps its dtype] across devices: ``.to(device, bf16)`` moves the bias to
+    the device with its float32 values, and the layer routes with it there."""
+    cfg = MoEConfig(dim=DIM, init_std=0.05, **CONFIGS["deepseek"])
+    moe = MoE(cfg)
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, cfg.num_experts) + 1e-6)
+    bias = moe.router.expert_bias.clone()
+    moe.to(device=DEVICE, dtype=torch.bfloat16)
+    assert moe.router.gate.weight.dtype == torch.bfloat16
+    assert moe.router.expert_bias.dtype == torch.float32
+    assert moe.router.expert_bias.device.type == DEVICE
+    assert torch.equal(moe.router.expert_bias.cpu(), bias)
+    y = moe(_x(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.isfinite().all()
+
+
 @pytest.mark.parametrize("kind", ["list", "cpu tensor", "device tensor"])
 def test_grouped_swiglu_takes_counts_from_anywhere(kind):
     """The public ``grouped_swiglu`` on device rows, with its counts as host ints, a CPU tensor

@@ -179,6 +179,56 @@ def test_bias_update_balances_load():
     assert abs(float(router.expert_bias.mean())) < 1e-6
 
 
+@pytest.mark.parametrize("cast", ["to(bf16)", "bfloat16()", "half()", "double()",
+                                  "to(meta), to_empty"])
+def test_expert_bias_keeps_its_dtype_and_values_under_module_casts(cast):
+    """Note [Expert bias keeps its dtype]: a module-wide cast changes the parameters, not the
+    bias (float32, values unrounded); device moves and ``to_empty`` still apply to it."""
+    moe = MoE(MoEConfig(dim=D, hidden_dim=32, num_experts=E, top_k=2, use_expert_bias=True))
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, E) + 1e-5)  # not bf16-exact
+    bias = moe.router.expert_bias.clone()
+    param_dtype = {"to(bf16)": torch.bfloat16, "bfloat16()": torch.bfloat16,
+                   "half()": torch.float16, "double()": torch.float64,
+                   "to(meta), to_empty": torch.float32}[cast]
+    if cast == "to(bf16)":
+        moe.to(torch.bfloat16)
+    elif cast == "to(meta), to_empty":
+        moe.to("meta")
+        assert moe.router.expert_bias.is_meta and moe.router.expert_bias.dtype == torch.float32
+        moe.to_empty(device="cpu")
+    else:
+        getattr(moe, cast[:-2])()
+    assert {p.dtype for p in moe.parameters()} == {param_dtype}
+    assert moe.router.expert_bias.dtype == torch.float32
+    assert moe.router.expert_bias.device.type == "cpu"
+    assert moe.router.tokens_per_expert.dtype == torch.int64
+    if cast != "to(meta), to_empty":
+        assert torch.equal(moe.router.expert_bias, bias)
+    moe.router.expert_bias = moe.router.expert_bias.double()  # a deliberate change stays
+    moe.to(torch.float32)
+    assert moe.router.expert_bias.dtype == torch.float64
+
+
+def test_small_bias_updates_survive_a_bf16_model():
+    """Why the bias keeps float32: a 1e-4 step near 0.5 rounds away in bf16, which would stall
+    aux-loss-free balancing without a sign."""
+    half = torch.full((E,), 0.5)
+    assert torch.equal(half.bfloat16() + 1e-4, half.bfloat16())  # the failure it avoids
+    moe = MoE(MoEConfig(dim=D, hidden_dim=32, num_experts=E, top_k=2, use_expert_bias=True))
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(half)
+    moe.to(torch.bfloat16)
+    moe(torch.randn(2, 64, D, dtype=torch.bfloat16))  # training mode: counts its tokens
+    counts = moe.router.tokens_per_expert.clone()
+    update_expert_bias(moe, 1e-4)
+    step = moe.router.expert_bias - half
+    expected = torch.sign(counts.double().mean() - counts.double())
+    expected = (expected - expected.mean()) * 1e-4
+    assert step.abs().max() > 0
+    torch.testing.assert_close(step.double(), expected, rtol=0, atol=1e-7)
+
+
 def test_bias_update_all_layers_and_idle_router():
     layers = nn.ModuleList(
         MoE(MoEConfig(dim=D, hidden_dim=32, num_experts=E, top_k=2, use_expert_bias=True))

@@ -14,6 +14,7 @@ Shape legend:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -185,6 +186,20 @@ def sequence_aux_loss(
     return aux_loss_from_sums(
         hits_BE, sums_BE, seq_len=L, top_k=topk_ids_TK.shape[-1], coeff=coeff
     )
+
+
+# Note [Expert bias keeps its dtype]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``update_expert_bias`` moves the bias by ``rate`` (1e-3 in DeepSeek-V3) per step. In bf16, whose
+# 8-bit mantissa spaces the values near 0.5 by about 0.004, such a step rounds away and balancing
+# stalls without a sign. ``nn.Module.to(torch.bfloat16)`` (or ``.half()``, ``.bfloat16()``) casts
+# every floating buffer, so the router overrides ``_apply``, the one method those casts, device
+# moves and ``to_empty`` all run, as torch's RNN modules do for their own state: the bias follows
+# the device change and keeps its dtype (float32 as built) and its values, which are taken from
+# before the cast rather than rounded through it. To change its dtype on purpose, assign a new
+# tensor (``router.expert_bias = router.expert_bias.double()``). The router computes its scores
+# in float32, and selection adds the bias to them. ``tests/test_moe_router.py`` checks the casts,
+# ``to_empty``, and that a 1e-4 update survives a bf16 model.
 
 
 class TokenChoiceTopKRouter(nn.Module):
@@ -382,6 +397,21 @@ class TokenChoiceTopKRouter(nn.Module):
         if self.config.score_func == "sigmoid":
             return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
         return scores_TE
+
+    def _apply(self, fn: Any, recurse: bool = True) -> TokenChoiceTopKRouter:
+        """``nn.Module._apply`` (what ``.to``, ``.cuda``, ``.bfloat16``, ``.to_empty`` run),
+        except that ``expert_bias`` keeps its dtype and its unrounded values: Note [Expert bias
+        keeps its dtype]."""
+        bias = self.expert_bias
+        out = super()._apply(fn, recurse)
+        moved = self.expert_bias
+        if bias is not None and moved is not None and moved.dtype != bias.dtype:
+            if bias.is_meta and not moved.is_meta:  # to_empty: uninitialised memory either way
+                kept = torch.empty_like(moved, dtype=bias.dtype)
+            else:  # the values before the cast, on the device the cast chose
+                kept = bias.to(device=moved.device)
+            self._buffers["expert_bias"] = kept
+        return out
 
     def reset_counters(self) -> None:
         """Zero ``tokens_per_expert`` (and ``dropped_per_expert``): a new counting window."""

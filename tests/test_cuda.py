@@ -431,3 +431,80 @@ def test_inductor_matches_eager(name, dtype):
     errors = {"output": rel_err(compiled[0], eager[0]), "x.grad": rel_err(compiled[1], eager[1])}
     errors.update({n: rel_err(g, eager[2][n]) for n, g in compiled[2].items()})
     assert max(errors.values()) <= REL_TOL[dtype], errors
+
+
+# ---- the parallel layouts with CUDA tensors, over gloo ----------------------------------------
+#
+# One GPU cannot host several NCCL ranks (NCCL refuses two ranks on one device), but gloo moves
+# CUDA tensors too (through host memory). So four processes share the GPU and run the parallel
+# layouts' parity runs of tests/test_parallel_moe.py with every tensor, mesh and exchange on the
+# device: the one-node expert-parallel step, the plain exchange, expert TP and sequence
+# parallelism, with their host reads of exchange sizes and their device index math, against
+# the single-device layer on the same GPU. What this cannot show is NCCL itself.
+
+GLOO_LAYOUTS = ("ep4", "ep2", "ep2tp2", "sp2ep2", "etp2_gather")
+
+
+def _gloo_worker(rank: int, world: int, store_path: str, results) -> None:
+    """One rank: every layout of ``GLOO_LAYOUTS`` x the CI cases x both EP exchanges, float32
+    at the parity tests' 1e-5, then two layouts in bf16; one result line per run."""
+    import traceback
+
+    from tests.test_parallel_moe import CI_CASES, LAYOUTS, STEPS, Case, ParallelRun, run_steps
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world)
+    runs = [(name, case, overlap, torch.float32) for name in GLOO_LAYOUTS
+            for case in CI_CASES for overlap in (True, False)]
+    runs += [(name, Case(2, 7, 2, 1), overlap, torch.bfloat16)
+             for name in ("ep4", "sp2ep2") for overlap in (True, False)]
+    try:
+        for name, case, overlap, dtype in runs:
+            where = f"{name} {case} overlap={overlap} {dtype} on {DEVICE}"
+            try:
+                run = ParallelRun(LAYOUTS[name], case, rank, overlap=overlap, device=DEVICE,
+                                  dtype=dtype)
+                if dtype == torch.float32:
+                    run_steps(run, where)
+                else:  # bf16 rounding: relative Frobenius error, as the float64 checks above
+                    for step in range(STEPS):
+                        def check(actual, expected, what, step=step):
+                            err = rel_err(actual.float(), expected.float())
+                            assert err <= REL_TOL[torch.bfloat16], f"step {step} {what}: {err}"
+
+                        run.step(check)
+                assert run.ref.experts.w1.device.type == DEVICE
+                results.put((rank, where, None))
+            except Exception:  # noqa: BLE001  (reported per run; the ranks go on together)
+                results.put((rank, where, traceback.format_exc()[-3000:]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parallel_layouts_with_device_tensors_over_gloo():
+    """The parallel layouts on the device (above): outputs, input gradients, every parameter
+    gradient, aux loss, expert bias and the parameters after 3 AdamW steps, each rank against
+    the single-device layer."""
+    world = 4
+    ctx = torch.multiprocessing.get_context("spawn")  # a forked child cannot use CUDA
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_gloo_worker, args=(r, world, os.path.join(tmp, "store"),
+                                                        results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        n_runs = (len(GLOO_LAYOUTS) * 3 * 2 + 4) * world
+        got = []
+        try:
+            for _ in range(n_runs):  # a rank stuck in a collective: fail in minutes, not hang
+                got.append(results.get(timeout=180))
+        finally:
+            for p in procs:
+                p.join(timeout=20 if len(got) == n_runs else 1)
+                if p.is_alive():
+                    p.kill()
+    failures = [f"rank {r}: {where}\n{err}" for r, where, err in got if err is not None]
+    assert not failures, "\n\n".join(failures[:6])
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

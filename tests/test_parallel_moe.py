@@ -126,11 +126,11 @@ def reduce_grad(name: str, param: torch.Tensor, meshes: MoEMeshes) -> torch.Tens
     grad = param.grad
     if isinstance(grad, DTensor):
         grad = grad.redistribute(placements=param.placements).to_local()
-    grad = grad.to(torch.float32, copy=True)  # summed in float32 (a bf16 run's grads too)
+    grad = grad.clone()
     dim = "edp" if is_routed_expert(name) else "dp"
     mesh = meshes.expert if is_routed_expert(name) else meshes.dense
     dist.all_reduce(grad, group=mesh.get_group(dim))
-    return (grad / meshes.dp).to(param.dtype)
+    return grad / meshes.dp
 
 
 def as_param_grad(param: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
@@ -149,16 +149,14 @@ class ParallelRun:
     """One layout x case: the distributed model next to its single-device reference."""
 
     def __init__(
-        self, layout: Layout, case: Case, rank: int, overlap: bool = True, prepare=None,
-        device: str = "cpu", dtype: torch.dtype = torch.float32, **config
+        self, layout: Layout, case: Case, rank: int, overlap: bool = True, prepare=None, **config
     ) -> None:
         """``prepare(moe)``, if given, changes the reference layer (an adapter swap, a wrapper)
-        before the copy that the styles parallelize. ``device``/``dtype``: where both layers,
-        the meshes and the data live (``tests/test_cuda.py`` runs CUDA tensors over gloo)."""
+        before the copy that the styles parallelize."""
         self.layout, self.case = layout, case
-        self.meshes = build_moe_meshes(**layout.meshes, device_type=device)
+        self.meshes = build_moe_meshes(**layout.meshes, device_type="cpu")
         torch.manual_seed(0)
-        self.ref = MoE(make_config(case, **config)).to(device=device, dtype=dtype)
+        self.ref = MoE(make_config(case, **config))
         if prepare is not None:
             prepare(self.ref)
         self.model = parallelize_moe(
@@ -169,8 +167,8 @@ class ParallelRun:
             ep_overlap=overlap,
         )
         dp, B = self.meshes.dp, case.B
-        self.X = torch.randn(dp * B, case.L, D).to(device=device, dtype=dtype)
-        self.G = torch.randn(dp * B, case.L, D).to(device=device, dtype=dtype)
+        self.X = torch.randn(dp * B, case.L, D)
+        self.G = torch.randn(dp * B, case.L, D)
         self.shard = slice((rank // self.meshes.tp) * B, (rank // self.meshes.tp + 1) * B)
         self.opt_ref = torch.optim.AdamW(self.ref.parameters(), lr=LR, fused=True)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=True)

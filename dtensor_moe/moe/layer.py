@@ -65,7 +65,8 @@ class MoE(nn.Module):
         device, dtype: where and in which floating dtype the parameters and buffers are made,
             as torch's own modules take them (``None``: torch's current default device and
             dtype). No global default changes. The router's ``expert_bias`` is float32 whatever
-            ``dtype`` is, and its counters int64. ``device="meta"`` allocates nothing (Note
+            ``dtype`` is, and stays so under later casts (Note [Expert bias keeps its dtype]
+            in ``router.py``); its counters are int64. ``device="meta"`` allocates nothing (Note
             [Meta-device init]). The values drawn depend on the device's and the dtype's random
             stream, so a layer made on a GPU, or in bf16, does not hold the same numbers as one
             made on the CPU in float32 under the same seed and cast (``.to``) afterwards.
@@ -74,7 +75,7 @@ class MoE(nn.Module):
 
         moe = MoE(MoEConfig(dim=256, hidden_dim=512, num_experts=8, top_k=2))
         y = moe(torch.randn(4, 128, 256))
-        big = MoE(config, device="cuda", dtype=torch.bfloat16)  # made in place, no copy
+        big = MoE(moe.config, device="cuda", dtype=torch.bfloat16)  # made there, no copy
 
     No collective runs in forward or backward of the single-process layer; parallel styles add
     them through the dispatcher and the DTensor weights.

@@ -631,10 +631,10 @@ def _parse() -> argparse.Namespace:
             torch.empty(0, device=args.device)
         except (RuntimeError, AssertionError) as err:
             p.error(f"--device {args.device} is not available here: {err}")
-    if args.profile and args.layout in PARALLEL:
-        p.error("--profile needs --layout single")
     if args.profile < 0 or args.profile_rows < 1:
         p.error("--profile needs N >= 0 and --profile-rows >= 1")
+    if args.profile and args.layout in PARALLEL:
+        p.error("--profile needs --layout single")
     if args.free_exchanges and args.layout not in PARALLEL:
         p.error("--free-exchanges needs a parallel --layout")
     if args.preset:

@@ -148,6 +148,8 @@ def test_device_flags_are_checked_before_running():
     assert "--full-size needs --preset" in err, err
     err = _run("benchmarks/moe_layer.py", "--layout", "ep2", "--profile", "1", returncode=2)
     assert "--profile needs --layout single" in err, err
+    err = _run("benchmarks/moe_layer.py", "--profile", "-1", returncode=2)
+    assert "--profile needs N >= 0 and --profile-rows >= 1" in err, err
     err = _run("benchmarks/moe_layer.py", "--preset", "qwen3", "--full-size", "--dim", "64",
                returncode=2)
     assert "--full-size sets --dim 2048; leave it out" in err, err

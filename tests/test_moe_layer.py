@@ -437,16 +437,19 @@ def test_meta_init_then_reset_parameters(overrides):
 @pytest.mark.parametrize("overrides", _INIT_CONFIGS)
 def test_device_and_dtype_factory_arguments(monkeypatch, overrides, dtype):
     """``MoE(config, device=, dtype=)`` makes every parameter and buffer there and so, as torch's
-    modules do, without touching torch's global defaults; the expert bias stays float32 and the
-    counters int64. The layer then trains in that dtype."""
+    modules do: in place (no module cast afterwards) and without touching torch's global
+    defaults; the expert bias stays float32 and the counters int64. The layer then trains in
+    that dtype."""
     def refuse(*_args):
         raise AssertionError("the layer must not change torch's process-wide defaults")
 
     cfg = MoEConfig(dim=D, hidden_dim=H, num_experts=8, top_k=2, **overrides)
-    monkeypatch.setattr(torch, "set_default_dtype", refuse)
-    monkeypatch.setattr(torch, "set_default_device", refuse)
-    meta = MoE(cfg, device="meta", dtype=dtype)
-    moe = MoE(cfg, device=torch.device("cpu"), dtype=dtype)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "set_default_dtype", refuse)
+        m.setattr(torch, "set_default_device", refuse)
+        m.setattr(torch.nn.Module, "_apply", refuse)  # made in place: no .to() cast after
+        meta = MoE(cfg, device="meta", dtype=dtype)
+        moe = MoE(cfg, device=torch.device("cpu"), dtype=dtype)
     for layer, device in ((meta, "meta"), (moe, "cpu")):
         params = dict(layer.named_parameters())
         assert len(params) >= 5 and all(
@@ -473,9 +476,9 @@ def test_factory_arguments_are_checked():
                        r"got dtype=torch.float8_e4m3fn\. For float8 .* build in float32 and "
                        r"cast with \.to\(dtype\)"):
         MoE(cfg, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="got dtype=torch.int32"):
+    with pytest.raises(ValueError, match="dtype must be a floating dtype, got dtype=torch.int32"):
         MoE(cfg, dtype=torch.int32)
-    with pytest.raises(ValueError, match="device='gpu0' is not a torch device"):
+    with pytest.raises(ValueError, match="device='gpu0' is not a device torch can use here"):
         MoE(cfg, device="gpu0")
 
 

@@ -180,7 +180,7 @@ def test_bias_update_balances_load():
 
 
 @pytest.mark.parametrize("cast", ["to(bf16)", "bfloat16()", "half()", "double()",
-                                  "to(meta), to_empty"])
+                                  "to(meta, bf16), to_empty"])
 def test_expert_bias_keeps_its_dtype_and_values_under_module_casts(cast):
     """Note [Expert bias keeps its dtype]: a module-wide cast changes the parameters, not the
     bias (float32, values unrounded); device moves and ``to_empty`` still apply to it."""
@@ -190,11 +190,11 @@ def test_expert_bias_keeps_its_dtype_and_values_under_module_casts(cast):
     bias = moe.router.expert_bias.clone()
     param_dtype = {"to(bf16)": torch.bfloat16, "bfloat16()": torch.bfloat16,
                    "half()": torch.float16, "double()": torch.float64,
-                   "to(meta), to_empty": torch.float32}[cast]
+                   "to(meta, bf16), to_empty": torch.bfloat16}[cast]
     if cast == "to(bf16)":
         moe.to(torch.bfloat16)
-    elif cast == "to(meta), to_empty":
-        moe.to("meta")
+    elif cast == "to(meta, bf16), to_empty":
+        moe.to("meta", torch.bfloat16)  # a device move and a cast at once
         assert moe.router.expert_bias.is_meta and moe.router.expert_bias.dtype == torch.float32
         moe.to_empty(device="cpu")
     else:
@@ -203,11 +203,28 @@ def test_expert_bias_keeps_its_dtype_and_values_under_module_casts(cast):
     assert moe.router.expert_bias.dtype == torch.float32
     assert moe.router.expert_bias.device.type == "cpu"
     assert moe.router.tokens_per_expert.dtype == torch.int64
-    if cast != "to(meta), to_empty":
+    if "meta" not in cast:
         assert torch.equal(moe.router.expert_bias, bias)
-    moe.router.expert_bias = moe.router.expert_bias.double()  # a deliberate change stays
+    moe.router.expert_bias = moe.router.expert_bias.double()  # above float32: kept
     moe.to(torch.float32)
     assert moe.router.expert_bias.dtype == torch.float64
+
+
+def test_a_bias_below_float32_warns_and_the_next_cast_restores_float32():
+    """A bf16 bias that came in by assignment (``load_state_dict(..., assign=True)`` of a
+    checkpoint saved from a bf16-cast model): ``update_expert_bias`` warns, and any module cast
+    brings it back to float32 (Note [Expert bias keeps its dtype])."""
+    moe = MoE(MoEConfig(dim=D, hidden_dim=32, num_experts=E, top_k=2, use_expert_bias=True))
+    state = {k: v.bfloat16() if v.is_floating_point() else v for k, v in moe.state_dict().items()}
+    moe.load_state_dict(state, assign=True)
+    assert moe.router.expert_bias.dtype == torch.bfloat16
+    moe(torch.randn(1, 8, D, dtype=torch.bfloat16))
+    with pytest.warns(UserWarning, match=r"expert_bias is torch.bfloat16, in which steps of "
+                      r"rate=0.001 .* may round away"):
+        update_expert_bias(moe, 1e-3)
+    moe.float()
+    assert moe.router.expert_bias.dtype == torch.float32
+    assert {p.dtype for p in moe.parameters()} == {torch.float32}
 
 
 def test_small_bias_updates_survive_a_bf16_model():

@@ -258,6 +258,14 @@ def update_expert_bias(
     active_M1 = (counts_ME.sum(dim=-1, keepdim=True) > 0).to(delta_ME.dtype)
     delta_ME = delta_ME * active_M1 * rate
     for router, delta_E in zip(routers, delta_ME):
+        if router.expert_bias.dtype.itemsize < 4:  # Note [Expert bias keeps its dtype]
+            warnings.warn(
+                f"update_expert_bias: an expert_bias is {router.expert_bias.dtype}, in which "
+                f"steps of rate={rate} near the bias's values may round away and balancing "
+                "stall; keep it in float32 (router.expert_bias = router.expert_bias.float(), or "
+                "any module cast such as model.float(), which restores it)",
+                stacklevel=2,
+            )
         router.expert_bias.add_(delta_E.to(router.expert_bias.dtype))
         router.reset_counters()
 

@@ -279,6 +279,8 @@ def factory_kwargs(
         ValueError: ``dtype`` is not a floating dtype the init can draw in (float8: build in
             float32, then ``.to(dtype)``), or ``device`` is not a device.
     """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"the MoE layer's dtype must be a floating dtype, got dtype={dtype}")
     if dtype is not None and dtype not in FACTORY_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in FACTORY_DTYPES)
         raise ValueError(
@@ -289,5 +291,6 @@ def factory_kwargs(
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError) as err:
-            raise ValueError(f"device={device!r} is not a torch device: {err}") from None
+            msg = f"device={device!r} is not a device torch can use here: {err}"
+            raise ValueError(msg) from None
     return {"device": device, "dtype": dtype}

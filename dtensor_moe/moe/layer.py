@@ -67,9 +67,9 @@ class MoE(nn.Module):
             dtype). No global default changes. The router's ``expert_bias`` is float32 whatever
             ``dtype`` is, and stays so under later casts (Note [Expert bias keeps its dtype]
             in ``router.py``); its counters are int64. ``device="meta"`` allocates nothing (Note
-            [Meta-device init]). The values drawn depend on the device's and the dtype's random
-            stream, so a layer made on a GPU, or in bf16, does not hold the same numbers as one
-            made on the CPU in float32 under the same seed and cast (``.to``) afterwards.
+            [Meta-device init]). The values drawn come from the device's random stream, so a
+            layer made on a GPU does not hold the same numbers as one made on the CPU under the
+            same seed and moved (``.to``) afterwards.
 
     Example::
 

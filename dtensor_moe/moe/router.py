@@ -195,11 +195,13 @@ def sequence_aux_loss(
 # stalls without a sign. ``nn.Module.to(torch.bfloat16)`` (or ``.half()``, ``.bfloat16()``) casts
 # every floating buffer, so the router overrides ``_apply``, the one method those casts, device
 # moves and ``to_empty`` all run, as torch's RNN modules do for their own state: the bias follows
-# the device change and keeps its dtype (float32 as built) and its values, which are taken from
-# before the cast rather than rounded through it. To change its dtype on purpose, assign a new
-# tensor (``router.expert_bias = router.expert_bias.double()``). The router computes its scores
-# in float32, and selection adds the bias to them. ``tests/test_moe_router.py`` checks the casts,
-# ``to_empty``, and that a 1e-4 update survives a bf16 model.
+# the device change, and its dtype is never below float32 (float32 as built; float64 stays
+# float64). When the cast would have lowered it, the bias keeps its values from before the cast
+# rather than rounding through it; a bias that is already below float32 (a bf16 one loaded with
+# ``load_state_dict(..., assign=True)``) is brought back to float32 by the next cast, and
+# ``update_expert_bias`` warns about it until then. The router computes its scores in float32,
+# and selection adds the bias to them. ``tests/test_moe_router.py`` checks the casts, the device
+# moves (to ``meta``), ``to_empty``, and that a 1e-4 update survives a bf16 model.
 
 
 class TokenChoiceTopKRouter(nn.Module):
@@ -400,17 +402,15 @@ class TokenChoiceTopKRouter(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> TokenChoiceTopKRouter:
         """``nn.Module._apply`` (what ``.to``, ``.cuda``, ``.bfloat16``, ``.to_empty`` run),
-        except that ``expert_bias`` keeps its dtype and its unrounded values: Note [Expert bias
-        keeps its dtype]."""
+        except that ``expert_bias`` never drops below float32 and keeps its unrounded values:
+        Note [Expert bias keeps its dtype]."""
         bias = self.expert_bias
         out = super()._apply(fn, recurse)
         moved = self.expert_bias
-        if bias is not None and moved is not None and moved.dtype != bias.dtype:
-            if bias.is_meta and not moved.is_meta:  # to_empty: uninitialised memory either way
-                kept = torch.empty_like(moved, dtype=bias.dtype)
-            else:  # the values before the cast, on the device the cast chose
-                kept = bias.to(device=moved.device)
-            self._buffers["expert_bias"] = kept
+        if bias is not None and moved is not None and moved.is_floating_point():
+            keep = torch.promote_types(bias.dtype, torch.float32)
+            if moved.dtype != keep:  # the values before the cast, where the cast put them
+                self._buffers["expert_bias"] = bias.to(device=moved.device, dtype=keep)
         return out
 
     def reset_counters(self) -> None:

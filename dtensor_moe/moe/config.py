@@ -270,9 +270,11 @@ class MoEConfig:
 FACTORY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def factory_kwargs(
-    device: torch.device | str | int | None, dtype: torch.dtype | None
-) -> dict[str, Any]:
+# What the layer's constructors take as ``device=``, as torch's factory functions do.
+DeviceLike = torch.device | str | int | None
+
+
+def factory_kwargs(device: DeviceLike, dtype: torch.dtype | None) -> dict[str, Any]:
     """``{"device": ..., "dtype": ...}`` for the layer's constructors, checked.
 
     Raises:

@@ -80,7 +80,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.capacity import Capacity
-from dtensor_moe.moe.config import ComputePath, factory_kwargs
+from dtensor_moe.moe.config import ComputePath, DeviceLike, factory_kwargs
 from dtensor_moe.moe.dispatch import (
     ExpertLayout,
     TokenDispatcher,
@@ -477,7 +477,7 @@ class GroupedExperts(nn.Module):
         init_std: float = 0.02,
         recompute_experts: bool = False,
         fused_routed_step: bool = True,
-        device: torch.device | str | int | None = None,
+        device: DeviceLike = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
@@ -609,7 +609,7 @@ class SharedExperts(nn.Module):
         hidden_dim: int,
         init_std: float = 0.02,
         gated: bool = False,
-        device: torch.device | str | int | None = None,
+        device: DeviceLike = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()

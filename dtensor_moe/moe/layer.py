@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtensor_moe.moe.balance import attach_aux_loss
-from dtensor_moe.moe.config import MoEConfig, factory_kwargs
+from dtensor_moe.moe.config import DeviceLike, MoEConfig, factory_kwargs
 from dtensor_moe.moe.dispatch import TokenDispatcher
 from dtensor_moe.moe.experts import GroupedExperts, SharedExperts
 from dtensor_moe.moe.router import TokenChoiceTopKRouter, count_unless_recompute
@@ -110,11 +110,7 @@ class MoE(nn.Module):
     """
 
     def __init__(
-        self,
-        config: MoEConfig,
-        *,
-        device: torch.device | str | int | None = None,
-        dtype: torch.dtype | None = None,
+        self, config: MoEConfig, *, device: DeviceLike = None, dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):

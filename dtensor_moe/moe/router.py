@@ -22,7 +22,7 @@ from torch import nn
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.capacity import Capacity, capacity_keep, expert_capacity, round_up
-from dtensor_moe.moe.config import MoEConfig, factory_kwargs
+from dtensor_moe.moe.config import DeviceLike, MoEConfig, factory_kwargs
 from dtensor_moe.moe.losses import (
     aux_loss_from_sums,
     router_losses,
@@ -234,11 +234,7 @@ class TokenChoiceTopKRouter(nn.Module):
     """
 
     def __init__(
-        self,
-        config: MoEConfig,
-        *,
-        device: torch.device | str | int | None = None,
-        dtype: torch.dtype | None = None,
+        self, config: MoEConfig, *, device: DeviceLike = None, dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
         factory = factory_kwargs(device, dtype)

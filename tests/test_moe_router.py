@@ -225,6 +225,11 @@ def test_a_bias_below_float32_warns_and_the_next_cast_restores_float32():
     moe.float()
     assert moe.router.expert_bias.dtype == torch.float32
     assert {p.dtype for p in moe.parameters()} == {torch.float32}
+    moe.to("meta")  # a bf16 bias on meta (assigned there), then materialised
+    moe.router.expert_bias = moe.router.expert_bias.bfloat16()
+    moe.to_empty(device="cpu")
+    assert moe.router.expert_bias.dtype == torch.float32
+    assert moe.router.expert_bias.device.type == "cpu"
 
 
 def test_small_bias_updates_survive_a_bf16_model():

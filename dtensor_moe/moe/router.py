@@ -405,7 +405,9 @@ class TokenChoiceTopKRouter(nn.Module):
         moved = self.expert_bias
         if bias is not None and moved is not None and moved.is_floating_point():
             keep = torch.promote_types(bias.dtype, torch.float32)
-            if moved.dtype != keep:  # the values before the cast, where the cast put them
+            if moved.dtype != keep and bias.is_meta:  # to_empty: no values to keep
+                self._buffers["expert_bias"] = moved.to(keep)
+            elif moved.dtype != keep:  # the values before the cast, where the cast put them
                 self._buffers["expert_bias"] = bias.to(device=moved.device, dtype=keep)
         return out
 

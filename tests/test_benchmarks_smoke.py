@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 import subprocess
@@ -142,17 +143,32 @@ def test_combine_benchmark_compares_every_piece_and_the_step():
     assert "package / baseline (median of per-step ratios):" in out, out
 
 
-def test_device_flags_are_checked_before_running():
+def _moe_layer_parse_error(monkeypatch, capsys, *args: str) -> str:
+    """``benchmarks/moe_layer.py``'s argument check, in this process (no interpreter start):
+    its stderr when it refuses ``args`` with argparse's exit status 2."""
+    spec = importlib.util.spec_from_file_location("moe_layer_bench", ROOT / "benchmarks" /
+                                                  "moe_layer.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look themselves up
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["moe_layer.py", *args])
+    with pytest.raises(SystemExit) as exit_:
+        module._parse()
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_device_flags_are_checked_before_running(monkeypatch, capsys):
     """The GPU runs of ``benchmarks/gpu.sh`` use these flags; here they fail cleanly."""
-    err = _run("benchmarks/moe_layer.py", "--full-size", returncode=2)
-    assert "--full-size needs --preset" in err, err
-    err = _run("benchmarks/moe_layer.py", "--layout", "ep2", "--profile", "1", returncode=2)
-    assert "--profile needs --layout single" in err, err
-    err = _run("benchmarks/moe_layer.py", "--profile", "-1", returncode=2)
-    assert "--profile needs N >= 0 and --profile-rows >= 1" in err, err
-    err = _run("benchmarks/moe_layer.py", "--preset", "qwen3", "--full-size", "--dim", "64",
-               returncode=2)
-    assert "--full-size sets --dim 2048; leave it out" in err, err
+    for args, message in [
+        (("--full-size",), "--full-size needs --preset"),
+        (("--layout", "ep2", "--profile", "1"), "--profile needs --layout single"),
+        (("--profile", "-1"), "--profile needs N >= 0 and --profile-rows >= 1"),
+        (("--preset", "qwen3", "--full-size", "--dim", "64"),
+         "--full-size sets --dim 2048; leave it out"),
+    ]:
+        err = _moe_layer_parse_error(monkeypatch, capsys, *args)
+        assert message in err, (args, err)
     if not torch.cuda.is_available():
         for script in ("optimizer_step.py", "hf_block.py"):
             err = _run(f"benchmarks/{script}", "--device", "cuda", returncode=2)

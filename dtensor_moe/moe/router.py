@@ -403,12 +403,14 @@ class TokenChoiceTopKRouter(nn.Module):
         bias = self.expert_bias
         out = super()._apply(fn, recurse)
         moved = self.expert_bias
-        if bias is not None and moved is not None and moved.is_floating_point():
-            keep = torch.promote_types(bias.dtype, torch.float32)
-            if moved.dtype != keep and bias.is_meta:  # to_empty: no values to keep
-                self._buffers["expert_bias"] = moved.to(keep)
-            elif moved.dtype != keep:  # the values before the cast, where the cast put them
-                self._buffers["expert_bias"] = bias.to(device=moved.device, dtype=keep)
+        if bias is None or moved is None or not moved.is_floating_point():
+            return out
+        keep = torch.promote_types(bias.dtype, torch.float32)
+        if moved.dtype != keep:
+            # The values before the cast, where the cast put them (from meta, as after
+            # to_empty, there are no values to keep).
+            source = moved if bias.is_meta else bias
+            self._buffers["expert_bias"] = source.to(device=moved.device, dtype=keep)
         return out
 
     def reset_counters(self) -> None:

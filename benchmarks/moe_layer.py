@@ -41,10 +41,11 @@ graph breaks, and the frames it compiled again during the timed repeats (recompi
 the guards hold). ``--compile-cache fresh`` compiles into an empty inductor cache, as a first
 run does; ``default`` reuses torch's cache directory, as later runs do.
 
-``--profile N`` (layout single) runs ``N`` more steps and ``N`` floors under ``torch.profiler``
-after the timed repeats, and prints each one's operators by self time (device time on an
-accelerator, CPU time otherwise), per step, with the count of device kernels per step: where
-``step - floor`` goes.
+``--profile N`` runs ``N`` more steps and ``N`` floors under ``torch.profiler`` after the timed
+repeats, and prints each one's operators by self time (device time on an accelerator, CPU time
+otherwise), per step, with the count of device kernels per step: where ``step - floor`` goes.
+In a parallel layout every rank profiles the same calls and rank 0 prints its tables (its waits
+on the other ranks included, as ``wait``/collective rows).
 
 ``--free-exchanges`` is a diagnostic for the parallel layouts: the one-node expert-parallel
 path's all-to-alls become local copies, as if every rank received exactly the rows it sent.
@@ -276,9 +277,13 @@ def run_single(args: argparse.Namespace) -> dict[str, object]:
     return result
 
 
-def _profile(args: argparse.Namespace, fns: dict[str, Callable[[], None]]) -> None:
+def _profile(
+    args: argparse.Namespace, fns: dict[str, Callable[[], None]], show: bool = True
+) -> None:
     """``--profile``: each of ``fns`` run ``args.profile`` times under ``torch.profiler``; prints
-    the operators by self time per call, and the device kernels per call."""
+    the operators by self time per call, and the device kernels per call. Every rank of a
+    parallel layout profiles the same calls (their collectives pair up); ``show``: this rank
+    prints its tables (rank 0's)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_device = args.device != "cpu"
@@ -288,11 +293,15 @@ def _profile(args: argparse.Namespace, fns: dict[str, Callable[[], None]]) -> No
         fn()  # outside the profile: nothing of the previous entry's is still queued
         if on_device:
             torch.accelerator.synchronize()
+        if dist.is_initialized():
+            dist.barrier()  # the ranks enter together: no rank's wait for a late one is profiled
         with profile(activities=activities) as prof:
             for _ in range(args.profile):
                 fn()
             if on_device:
                 torch.accelerator.synchronize()
+        if not show:
+            continue
         # The operators' own time: on a device, the kernels each operator launched (the table's
         # kernel rows repeat those, so only operators, the host-side events, are summed).
         ops = [e for e in prof.events() if str(e.device_type).endswith("CPU")]
@@ -477,6 +486,8 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
     rows = torch.tensor([routed_RD.shape[0]])
     all_rows = [torch.zeros_like(rows) for _ in range(layout.world)]
     dist.all_gather(all_rows, rows)
+    if args.profile:
+        _profile(args, {"step": step, "floor": floor}, show=rank == 0)
     if rank == 0:
         queue.put(_parallel_result(args, measured, path, [int(r) for r in all_rows], recorder))
     dist.barrier()  # every rank tears its gloo connections down together
@@ -574,7 +585,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="layout single: profile N more steps and floors with torch.profiler")
+                   help="profile N more steps and floors with torch.profiler (parallel layouts: "
+                        "every rank runs them, rank 0 prints its tables)")
     p.add_argument("--profile-rows", type=int, default=30,
                    help="operators printed per --profile table")
     p.add_argument(
@@ -633,8 +645,6 @@ def _parse() -> argparse.Namespace:
             p.error(f"--device {args.device} is not available here: {err}")
     if args.profile < 0 or args.profile_rows < 1:
         p.error("--profile needs N >= 0 and --profile-rows >= 1")
-    if args.profile and args.layout in PARALLEL:
-        p.error("--profile needs --layout single")
     if args.free_exchanges and args.layout not in PARALLEL:
         p.error("--free-exchanges needs a parallel --layout")
     if args.preset:

@@ -272,7 +272,7 @@ def test_compile_graph_breaks():
     expecttest.assert_expected_inline(
         "\n".join(f"{k}: graphs={g} breaks={b}" for k, (g, b) in results.items()),
         """\
-unpadded: graphs=2 breaks=4
+unpadded: graphs=2 breaks=2
 padded: graphs=1 breaks=1
 nested unpadded: graphs=2 breaks=2
 nested padded: graphs=1 breaks=1""",

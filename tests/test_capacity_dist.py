@@ -243,7 +243,7 @@ class CapacityCompileTest(DistTestBase):
             self.assertExpectedInline(
                 "\n".join(lines[len(BREAK_RUNS):]),
                 """\
-ep4 unpadded train: graphs=2 breaks=4 recompiles=0
+ep4 unpadded train: graphs=2 breaks=2 recompiles=0
 ep2tp2 padded train: graphs=2 breaks=1 recompiles=0""",
             )
         self.assertExpectedInline(

@@ -136,19 +136,20 @@ def test_graph_breaks_are_pinned():
                     results[key] = compiled_counts(torch.compile(moe, backend="eager"), x)
     # (graphs, breaks), Note [MoE under torch.compile]. auto (grouped_mm): no break in eval; in
     # training the router counter update runs eagerly at the very end of the forward. loop:
-    # the experts run eagerly (counts read on the host), one more break, which torch's default
-    # counts once per nested Python frame around it; with nested_graph_breaks it is one.
-    # pad4 (pad_multiple=4): the padded layout needs host counts, so dispatch, experts and
-    # combine run as one eager island: one break, as for loop.
+    # the experts run eagerly (counts read on the host), one more break. pad4 (pad_multiple=4):
+    # the padded layout needs host counts, so dispatch, experts and combine run eagerly: one
+    # break, as for loop. The layer calls the experts module eagerly from its own frame (Note
+    # [Eager islands under torch.compile]), so torch's default counting (one break per nested
+    # frame around a break) gives the same counts as nested_graph_breaks.
     expecttest.assert_expected_inline(
         "\n".join(f"{k}: graphs={g} breaks={b}" for k, (g, b) in results.items()),
         """\
 auto eval: graphs=1 breaks=0
 auto train: graphs=1 breaks=1
-loop eval: graphs=4 breaks=5
-loop train: graphs=4 breaks=6
-pad4 eval: graphs=2 breaks=3
-pad4 train: graphs=2 breaks=4
+loop eval: graphs=2 breaks=1
+loop train: graphs=2 breaks=2
+pad4 eval: graphs=2 breaks=1
+pad4 train: graphs=2 breaks=2
 nested auto eval: graphs=1 breaks=0
 nested auto train: graphs=1 breaks=1
 nested loop eval: graphs=2 breaks=1
@@ -194,3 +195,53 @@ def test_plain_grouped_mm_does_not_trace_in_float32():
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"Expected inputs of BF16 type"):
         torch.compile(plain, backend="eager", fullgraph=True)(x, w, offs)
+
+
+@pytest.mark.parametrize("path", ["loop", "pad4", "capacity"])
+def test_island_calls_the_experts_module_eagerly(path):
+    """Note [Eager islands under torch.compile]: where the routed experts read counts on the
+    host, the compiled layer calls the experts *module* eagerly (its hooks run, outside any
+    trace) and matches eager; where they do not, the module is traced."""
+    options = {"loop": dict(compute_path="loop"), "pad4": dict(pad_multiple=4),
+               "capacity": dict(capacity_factor=1.0)}[path]
+    moe, x = make_moe(**options), torch.randn(2, 13, 64)
+    seen = []
+    moe.experts.register_forward_pre_hook(
+        lambda module, args: seen.append(torch.compiler.is_compiling())
+    )
+    capacity = moe.router(x.view(-1, 64)).capacity
+    assert moe.experts.runs_eagerly_under_compile(x.view(-1, 64), capacity)
+    assert_matches_eager(moe, x, torch.float32, "aot_eager", what=path)
+    assert seen == [False, False], seen  # the compiled call, then the eager one: no trace
+    assert compiled_counts(torch.compile(moe.eval(), backend="eager"), x) == (2, 1)
+    # the default layer, and a capacity padded to static shapes, trace their experts
+    for options in ({}, dict(capacity_factor=1.0, pad_to_capacity=True)):
+        other = make_moe(**options)
+        capacity = other.router(x.view(-1, 64)).capacity
+        assert not other.experts.runs_eagerly_under_compile(x.view(-1, 64), capacity), options
+
+
+def test_experts_alone_and_a_users_experts_module_compile():
+    """A ``GroupedExperts`` compiled on its own keeps its island one level down (around the
+    dispatcher's steps); an experts module without ``runs_eagerly_under_compile`` (a user's
+    swap) is called as usual by the compiled layer."""
+    moe, x = make_moe(pad_multiple=4), torch.randn(2, 13, 64)
+    x_TD = x.view(-1, 64)
+    routing = moe.router(x_TD)
+    args = (x_TD, routing.topk_scores_TK.detach(), routing.topk_ids_TK, routing.counts_E)
+    eager = moe.experts(*args)
+    torch._dynamo.reset()
+    compiled = torch.compile(moe.experts, backend="aot_eager")(*args)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+    class UsersExperts(torch.nn.Module):  # a forward-only swap: no runs_eagerly_under_compile
+        def __init__(self, experts):
+            super().__init__()
+            self.inner = experts
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    moe = make_moe()
+    moe.experts = UsersExperts(moe.experts)
+    assert_matches_eager(moe, x, torch.float32, "aot_eager", what="user's experts")

@@ -195,16 +195,16 @@ ep2tp2_gather nested eval: graphs=4 breaks=1 recompiles=0""",
         self.assertExpectedInline(
             "\n".join(ci),
             """\
-ep4 train: graphs=2 breaks=4 recompiles=0
-ep4 eval: graphs=2 breaks=3 recompiles=0
+ep4 train: graphs=2 breaks=2 recompiles=0
+ep4 eval: graphs=2 breaks=1 recompiles=0
 ep4 nested train: graphs=2 breaks=2 recompiles=0
 ep4 nested eval: graphs=2 breaks=1 recompiles=0
-ep2tp2 train: graphs=3 breaks=4 recompiles=0
-ep2tp2 eval: graphs=3 breaks=3 recompiles=0
-ep2tp2_gather train: graphs=5 breaks=4 recompiles=0
-ep2tp2_gather eval: graphs=5 breaks=3 recompiles=0
-sp2ep2 train: graphs=3 breaks=4 recompiles=0
-sp2ep2 eval: graphs=3 breaks=3 recompiles=0
+ep2tp2 train: graphs=3 breaks=2 recompiles=0
+ep2tp2 eval: graphs=3 breaks=1 recompiles=0
+ep2tp2_gather train: graphs=4 breaks=2 recompiles=0
+ep2tp2_gather eval: graphs=4 breaks=1 recompiles=0
+sp2ep2 train: graphs=3 breaks=2 recompiles=0
+sp2ep2 eval: graphs=3 breaks=1 recompiles=0
 sp2ep2 nested train: graphs=3 breaks=2 recompiles=0
 sp2ep2 nested eval: graphs=3 breaks=1 recompiles=0""",
         )

@@ -564,9 +564,16 @@ class TokenDispatcher:
             return self.combine(experts.compute(routed_RD, counts_e), metadata)
         # the padding, and a capacity without pad_to_capacity, read the counts on the host:
         # one eager island while compiling, as for the loop/bmm paths
-        host_read = self.pad_multiple > 1 if capacity is None else not capacity.padded
-        steps = _plain_steps_eagerly if host_read and torch.compiler.is_compiling() else _plain_steps
+        eager = torch.compiler.is_compiling() and self.runs_eagerly_under_compile(capacity)
+        steps = _plain_steps_eagerly if eager else _plain_steps
         return steps(self, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
+
+    def runs_eagerly_under_compile(self, capacity: Capacity | None = None) -> bool:
+        """Whether :meth:`run_experts` reads counts or exchange sizes on the host, and so runs
+        eagerly while ``torch.compile`` traces (Note [Eager islands under torch.compile] in
+        ``layer.py``). Here: ``pad_multiple > 1``, or a ``capacity`` without
+        ``pad_to_capacity``, whose row layouts follow host counts."""
+        return self.pad_multiple > 1 if capacity is None else not capacity.padded
 
     def _check_inputs(
         self,

@@ -522,6 +522,21 @@ class GroupedExperts(nn.Module):
             self, x_TD, topk_scores_TK, topk_ids_TK, counts_E, *args
         )
 
+    def runs_eagerly_under_compile(
+        self, x_TD: torch.Tensor, capacity: Capacity | None = None
+    ) -> bool:
+        """Whether :meth:`forward` on ``x_TD`` reads counts or exchange sizes on the host, and
+        so runs (in part) eagerly while ``torch.compile`` traces: the dispatcher says so (an
+        expert-parallel exchange, ``pad_multiple > 1``, a capacity without padding), or the
+        compute path is ``loop``/``bmm`` (forced, or ``auto`` where ``torch._grouped_mm``
+        does not take the dtype or the row alignment). An :class:`~dtensor_moe.moe.MoE` then
+        calls this module eagerly as a whole (Note [Eager islands under torch.compile] in
+        ``layer.py``)."""
+        if self.dispatcher.runs_eagerly_under_compile(capacity):
+            return True
+        grouped = self.compute_path in ("auto", "grouped_mm")
+        return not (grouped and _grouped_mm_supported(x_TD, local_expert_weight(self.w1)))
+
     def compute(self, routed_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """Expert math on the routed buffer; see Note [Grouped experts on local weights].
 

@@ -92,9 +92,10 @@ class MoE(nn.Module):
       (none in eval mode). ``fullgraph=True`` therefore works in eval mode and raises, in
       training, a message saying to use ``fullgraph=False``;
     * the ``loop``/``bmm`` paths (forced, or ``auto`` with a dtype or row alignment that
-      ``torch._grouped_mm`` does not take) need host counts, so they run eagerly: one more
-      break, counted once per nested frame unless ``torch._dynamo.config.nested_graph_breaks``
-      is set. ``pad_multiple > 1`` reads counts on the host too.
+      ``torch._grouped_mm`` does not take) need host counts, as do ``pad_multiple > 1``, a
+      capacity without ``pad_to_capacity`` and expert parallelism: the routed experts then run
+      eagerly, called from this frame, which is one more break (Note [Eager islands under
+      torch.compile]).
 
     ``tests/test_moe_compile.py`` pins the break counts and checks outputs, input and param
     gradients and the router buffers against eager, also under activation checkpointing.
@@ -175,9 +176,13 @@ class MoE(nn.Module):
         x_TD = tokens.local(x).reshape(-1, D)
         del x  # only plain tensors cross the experts (see above)
         capacity = {} if routing.capacity is None else {"capacity": routing.capacity}
-        y_TD = self.experts(
-            x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E, **capacity
-        )
+        args = (x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
+        if torch.compiler.is_compiling() and _eager_under_compile(
+            self.experts, x_TD, routing.capacity
+        ):
+            y_TD = _experts_eagerly(self.experts, *args, **capacity)
+        else:
+            y_TD = self.experts(*args, **capacity)
         if isinstance(y_TD, DTensor):  # expert TP with gathered tokens: Partial on the etp mesh
             y_TD = y_TD.to_local()
         if shared_TD is not None:
@@ -202,3 +207,43 @@ class MoE(nn.Module):
             )
         if not x.is_floating_point():
             raise ValueError(f"MoE expects a floating-point input, got dtype={x.dtype}")
+
+
+# Note [Eager islands under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some expert calls read counts or exchange sizes on the host: the expert-parallel exchange
+# (Note [Expert parallelism under torch.compile] in ``parallel/dispatch.py``), ``pad_multiple >
+# 1``, a capacity without ``pad_to_capacity``, and the ``loop``/``bmm`` compute paths. Traced,
+# each such read would break the graph and recompile for every new count, so that code runs
+# eagerly. The dispatcher and the experts each mark their own eager part (``torch.compiler.
+# disable``), which is what a caller of ``GroupedExperts`` alone gets; but a break deep inside
+# the experts is counted once per Python frame around it (the experts' forward, the dispatcher's
+# ``run_experts``, ...), each frame resumes in a compiled piece of its own, and every piece
+# costs a guard check and a runtime wrapper per call. So while compiling, ``MoE.forward`` asks
+# the experts first (``GroupedExperts.runs_eagerly_under_compile``) and, when they would run
+# eagerly in part, calls the whole experts module eagerly from its own frame: one graph break
+# in the layer, with torch's default ``nested_graph_breaks=False`` too. The island runs
+# exactly the eager code (the module's hooks included), so results are the eager ones; the
+# router, the shared experts and the token-parallel views around it stay compiled. An experts
+# module without that method (a user's own) is called as usual.
+
+
+def _eager_under_compile(experts: nn.Module, x_TD: torch.Tensor, capacity) -> bool:
+    ask = getattr(experts, "runs_eagerly_under_compile", None)
+    return ask is not None and bool(ask(x_TD, capacity))
+
+
+def _experts_eagerly(experts: nn.Module, *args, **kwargs) -> torch.Tensor:
+    y_TD = experts(*args, **kwargs)
+    # A DTensor leaving the island would reach AOT autograd as an output whose tangent it
+    # cannot match; the layer takes the local tensor of the Partial output anyway.
+    return y_TD.to_local() if isinstance(y_TD, DTensor) else y_TD
+
+
+_experts_eagerly = torch.compiler.disable(
+    _experts_eagerly,
+    reason="dtensor_moe runs the routed experts eagerly under torch.compile when they read "
+    "counts or exchange sizes on the host: expert parallelism, pad_multiple > 1, a capacity "
+    "without pad_to_capacity, or the loop/bmm compute paths (Note [Eager islands under "
+    "torch.compile] in dtensor_moe/moe/layer.py); compile with fullgraph=False",
+)

@@ -453,7 +453,9 @@ class _ExpertParallelStep(torch.autograd.Function):
 # The exchange sizes of an all-to-all are data: they must be read on the host, and traced code
 # would specialise on them and recompile at nearly every step. So while ``torch.compile``
 # traces a layer, ``run_experts`` of a dispatcher with a mesh (dispatch, the expert math and
-# combine) runs eagerly, as one island: the graph breaks around it, and only around it. The
+# combine) runs eagerly, as one island: the graph breaks around it, and only around it. An MoE
+# layer enters the island one level up, calling its whole experts module eagerly (Note [Eager
+# islands under torch.compile] in ``moe/layer.py``: one break instead of one per frame). The
 # island runs exactly the eager code (the one-node fast path included), so compiled and eager
 # results are identical; the router, the shared experts and everything around the layer are
 # compiled. torchtitan keeps its EP all-to-all out of the graph the same way.
@@ -749,8 +751,13 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         are neither sent nor computed (Note [The void row]).
         """
         static = capacity is not None and capacity.padded
-        if self.mesh is not None and torch.compiler.is_compiling() and not static:
-            # Note [Expert parallelism under torch.compile]
+        if (
+            self.mesh is not None
+            and torch.compiler.is_compiling()
+            and self.runs_eagerly_under_compile(capacity)
+        ):
+            # Note [Expert parallelism under torch.compile]; an MoE layer runs its experts'
+            # whole call eagerly before reaching here (Note [Eager islands under torch.compile])
             y_TD = _eager_run_experts(
                 self, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity
             )
@@ -784,6 +791,13 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             getattr(experts, "recompute_experts", False),
         )
         return self._finish(y_TD)
+
+    def runs_eagerly_under_compile(self, capacity: Capacity | None = None) -> bool:
+        """With a mesh, also every exchange but the static one at capacity: its sizes are read
+        on the host (Note [Expert parallelism under torch.compile])."""
+        if self.mesh is not None and not (capacity is not None and capacity.padded):
+            return True
+        return super().runs_eagerly_under_compile(capacity)
 
     def _destinations(
         self, topk_scores_TK: torch.Tensor, topk_ids_TK: torch.Tensor, counts_E: torch.Tensor

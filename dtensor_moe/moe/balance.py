@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.config import AuxLossMode
-from dtensor_moe.moe.router import TokenChoiceTopKRouter
+from dtensor_moe.moe.router import TokenChoiceTopKRouter, bias_dtype
 
 __all__ = [
     "AuxLossBackward",
@@ -258,7 +258,7 @@ def update_expert_bias(
     active_M1 = (counts_ME.sum(dim=-1, keepdim=True) > 0).to(delta_ME.dtype)
     delta_ME = delta_ME * active_M1 * rate
     for router, delta_E in zip(routers, delta_ME):
-        if router.expert_bias.dtype.itemsize < 4:  # Note [Expert bias keeps its dtype]
+        if router.expert_bias.dtype != bias_dtype(router.expert_bias.dtype):  # below float32
             warnings.warn(
                 f"update_expert_bias: an expert_bias is {router.expert_bias.dtype}, in which "
                 f"steps of rate={rate} near the bias's values may round away and balancing "

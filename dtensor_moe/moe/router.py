@@ -204,6 +204,12 @@ def sequence_aux_loss(
 # moves (to ``meta``), ``to_empty``, and that a 1e-4 update survives a bf16 model.
 
 
+def bias_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an ``expert_bias`` of ``dtype`` keeps: never below float32 (Note [Expert bias
+    keeps its dtype])."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class TokenChoiceTopKRouter(nn.Module):
     """Each token picks its ``top_k`` experts from a linear gate.
 
@@ -405,7 +411,7 @@ class TokenChoiceTopKRouter(nn.Module):
         moved = self.expert_bias
         if bias is None or moved is None or not moved.is_floating_point():
             return out
-        keep = torch.promote_types(bias.dtype, torch.float32)
+        keep = bias_dtype(bias.dtype)
         if moved.dtype != keep:
             # The values before the cast, where the cast put them (from meta, as after
             # to_empty, there are no values to keep).

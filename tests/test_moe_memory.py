@@ -180,6 +180,23 @@ def test_sum_backward_and_no_input_grad():
         assert torch.equal(p.grad, r.grad), name
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_frozen_router_scores_need_no_gradient(recompute):
+    """With the router frozen and an input without grad, the fused step's scores need no
+    gradient: no expert outputs are rebuilt, and the rows are gathered into a fresh buffer
+    (Note [Scratch buffers of the fused step]); the expert gradients are the plain path's bits."""
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(dim=32, hidden_dim=64, num_experts=8, top_k=2, init_std=0.3,
+                        recompute_experts=recompute))
+    moe.router.requires_grad_(False)
+    plain = plain_path(moe)
+    x, g = torch.randn(2, 37, 32), torch.randn(2, 37, 32)
+    moe(x).backward(g)
+    plain(x).backward(g)
+    for (name, p), q in zip(moe.experts.named_parameters(), plain.experts.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_zero_tokens(top_k, recompute):

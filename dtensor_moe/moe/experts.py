@@ -272,6 +272,18 @@ def _swiglu_bmm(
     return torch.bmm(F.silu(gate_ecH) * up_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
 
 
+# Note [Scratch buffers of the fused step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The fused step's backward rebuilds what its forward did not keep: the gathered rows, the
+# SwiGLU product and the expert outputs. Each rebuild written into a fresh tensor costs a fresh
+# allocation, and on CPU glibc hands big ones fresh pages (page faults on every step; see "The
+# CPU allocator" in docs/benchmarks.md). So the gathered rows go into the expert outputs' buffer
+# once the score gradients have read it, the product's gradient into the product's buffer once
+# ``grad_w2`` has read it, and ``silu_backward`` writes in place: the same ops on the same
+# values, so the same bits, with fewer fresh buffers. ``torch._grouped_mm`` has no ``out=``, so
+# its results stay fresh.
+
+
 class _RoutedSwiGLU(torch.autograd.Function):
     """Token gather, grouped SwiGLU and combine as one node; Note [What the experts save for
     backward]. ``forward(x_TD, scores_TK, w1, w2, w3, token_N, order_N, row_TK, offs_e,
@@ -294,7 +306,9 @@ class _RoutedSwiGLU(torch.autograd.Function):
         x_RD = x_TD.index_select(0, token_N)
         h1_RH = torch._grouped_mm(x_RD, w1_eHD.transpose(-2, -1), offs=offs_e)
         h3_RH = torch._grouped_mm(x_RD, w3_eHD.transpose(-2, -1), offs=offs_e)
-        out_RD = torch._grouped_mm(F.silu(h1_RH) * h3_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
+        h_RH = F.silu(h1_RH).mul_(h3_RH)  # in place: one N x H buffer fewer, the same bits
+        out_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
+        del h_RH
         y_TD = weighted_row_sum(out_RD, row_TK, scores_TK.to(x_TD.dtype))
         del out_RD
         hidden = () if recompute else (h1_RH, h3_RH)
@@ -316,10 +330,13 @@ class _RoutedSwiGLU(torch.autograd.Function):
             ctx.saved_tensors
         )
         T, K = row_TK.shape
-        x_RD = x_TD.index_select(0, token_N)
+        # Note [Scratch buffers of the fused step]: dead buffers are written again (``out=``,
+        # in place) rather than fresh ones allocated; the values and bits are the same.
+        x_RD = None
         if hidden:
             h1_RH, h3_RH = hidden
         else:
+            x_RD = x_TD.index_select(0, token_N)
             h1_RH = torch._grouped_mm(x_RD, w1_eHD.transpose(-2, -1), offs=offs_e)
             h3_RH = torch._grouped_mm(x_RD, w3_eHD.transpose(-2, -1), offs=offs_e)
         act_RH = F.silu(h1_RH)
@@ -328,16 +345,20 @@ class _RoutedSwiGLU(torch.autograd.Function):
         # The plain combine's backward, op for op (Note [What the experts save for backward]).
         s_TK = scores_TK.to(x_TD.dtype)
         grad_RD = combine_row_grads(grad_TD, s_TK, row_TK, T * K, order_N)
-        grad_scores_TK = None
+        grad_scores_TK, scratch_RD = None, None
         if need[1]:
             # out_RD again, by the forward's own call: the plain path's saved expert outputs.
-            out_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
-            grad_scores_TK = combine_score_grads(grad_TD, out_RD, row_TK).to(scores_TK.dtype)
-            del out_RD
+            scratch_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
+            grad_scores_TK = combine_score_grads(grad_TD, scratch_RD, row_TK).to(scores_TK.dtype)
+        if x_RD is None:  # the token gather again, into the dead expert outputs when there are
+            x_RD = torch.index_select(x_TD, 0, token_N, out=scratch_RD)
+        del scratch_RD
         grad_w2 = torch._grouped_mm(grad_RD.t(), h_RH, offs=offs_e) if need[3] else None
         grad_h_RH = torch._grouped_mm(grad_RD, w2_eDH, offs=offs_e)
         del grad_RD
-        grad_h1_RH = torch.ops.aten.silu_backward(grad_h_RH * h3_RH, h1_RH)
+        grad_h1_RH = torch.mul(grad_h_RH, h3_RH, out=h_RH)  # h_RH is dead after grad_w2
+        del h_RH
+        torch.ops.aten.silu_backward.grad_input(grad_h1_RH, h1_RH, grad_input=grad_h1_RH)
         grad_h3_RH = grad_h_RH.mul_(act_RH)
         grad_w1 = torch._grouped_mm(grad_h1_RH.t(), x_RD, offs=offs_e) if need[2] else None
         grad_w3 = torch._grouped_mm(grad_h3_RH.t(), x_RD, offs=offs_e) if need[4] else None

@@ -190,7 +190,7 @@ def _swiglu_forward(
     if gate_RH is None:
         gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
     up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
-    h_RH = torch.nn.functional.silu(gate_RH) * up_RH
+    h_RH = torch.nn.functional.silu(gate_RH).mul_(up_RH)  # in place: the same bits
     return _gmm(h_RH, w2_eDH.transpose(-2, -1), offs), (gate_RH, up_RH)
 
 
@@ -212,14 +212,21 @@ def _swiglu_saved(
 
 
 def _swiglu_input_grad(
-    grad_RD: torch.Tensor, saved: tuple[torch.Tensor, ...], weights: tuple, offs: torch.Tensor
+    grad_RD: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    weights: tuple,
+    offs: torch.Tensor,
+    product_dead: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_x_RD, grad_gate_RH, grad_up_RH)`` of :func:`_swiglu_forward`; ``saved`` from
-    :func:`_swiglu_saved`."""
-    _, gate_RH, up_RH, act_RH, _ = saved
+    :func:`_swiglu_saved`. ``product_dead``: the caller is done with the SwiGLU product
+    (``saved[4]``, read by :func:`_w2_grad`), whose buffer then takes the gate's gradient (Note
+    [Scratch buffers of the fused step] in ``dtensor_moe/moe/experts.py``)."""
+    _, gate_RH, up_RH, act_RH, h_RH = saved
     w1_eHD, w2_eDH, w3_eHD = weights
     grad_h_RH = _gmm(grad_RD, w2_eDH, offs)
-    grad_gate_RH = torch.ops.aten.silu_backward(grad_h_RH * up_RH, gate_RH)
+    grad_gate_RH = torch.mul(grad_h_RH, up_RH, out=h_RH if product_dead else None)
+    torch.ops.aten.silu_backward.grad_input(grad_gate_RH, gate_RH, grad_input=grad_gate_RH)
     grad_up_RH = grad_h_RH.mul_(act_RH)
     grad_x_RD = _gmm(grad_gate_RH, w1_eHD, offs).add_(_gmm(grad_up_RH, w3_eHD, offs))
     return grad_x_RD, grad_gate_RH, grad_up_RH
@@ -403,10 +410,10 @@ class _ExpertParallelStep(torch.autograd.Function):
         )
         # The own rows' whole backward while the output gradients travel.
         grad_own = grad_ND[n_send:n_kept]
-        grad_x_own, own_grad_gate, own_grad_up = _swiglu_input_grad(
-            grad_own, own_saved, weights, route.offs_own
-        )
         grad_w2 = _w2_grad(grad_own, own_saved, route.offs_own)
+        grad_x_own, own_grad_gate, own_grad_up = _swiglu_input_grad(
+            grad_own, own_saved, weights, route.offs_own, product_dead=True
+        )
         grad_w1, grad_w3 = _w13_grads(own_saved, own_grad_gate, own_grad_up, route.offs_own)
         recv_saved = _swiglu_saved(routed_RD, hidden[2:], weights, route.offs_recv)
         work.wait()

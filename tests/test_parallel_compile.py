@@ -175,8 +175,9 @@ class ParallelCompileTest(DistTestBase):
                         results[key] = self._compiled_counts(model, meshes, layout)
         # (graphs, breaks, recompiles) over 3 steps with new data, and so new exchange sizes:
         # nothing recompiles. Note [Expert parallelism under torch.compile]: the experts'
-        # exchange runs eagerly, one break (torch's default counts it once per nested frame
-        # around it; with nested_graph_breaks it is one); in training the router counter update
+        # exchange runs eagerly, one break, entered from MoE.forward's own frame (Note [Eager
+        # islands under torch.compile]), so torch's default counts it once, as
+        # nested_graph_breaks does; in training the router counter update
         # at the end of the forward is one more (Note [MoE under torch.compile]). Under
         # tensor/sequence parallelism the style's output hook runs after the layer's forward
         # returns (Note [One forward]): one graph more than EP alone (two more with the

@@ -39,7 +39,7 @@ def test_optimizer_step_benchmark_prints_every_case_and_mode():
 def test_moe_layer_benchmark_runs(layout):
     out = _run(
         "benchmarks/moe_layer.py", "--layout", layout, "--tokens", "64", "--dim", "32",
-        "--hidden", "64", "--warmup", "1", "--repeats", "2", "--profile", "2", "--profile-rows", "4",
+        "--hidden", "64", "--warmup", "1", "--repeats", "2", "--profile", "2", "--profile-rows", "40",
     )
     assert f"layout={layout}" in out, out
     assert "step / floor (median of per-repeat ratios):" in out, out

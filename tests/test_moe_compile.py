@@ -238,6 +238,9 @@ def test_experts_alone_and_a_users_experts_module_compile():
     torch._dynamo.reset()
     compiled = torch.compile(moe.experts, backend="aot_eager")(*args)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    # the island around the dispatcher's steps, one frame down: one break per frame around it
+    # (the experts' forward and run_experts), and no graph: nothing around it to compile
+    assert compiled_counts(torch.compile(moe.experts, backend="eager"), *args) == (0, 2)
 
     class UsersExperts(torch.nn.Module):  # a forward-only swap: no runs_eagerly_under_compile
         def __init__(self, experts):
@@ -247,6 +250,21 @@ def test_experts_alone_and_a_users_experts_module_compile():
         def forward(self, *args, **kwargs):
             return self.inner(*args, **kwargs)
 
+    for options in ({}, dict(compute_path="loop")):  # traced, and with an island inside
+        moe = make_moe(**options)
+        moe.experts = UsersExperts(moe.experts)
+        assert_matches_eager(moe, x, torch.float32, "aot_eager", what=f"user's experts {options}")
+    # the loop path's island sits inside the swap, so torch counts it once per frame around it
+    assert compiled_counts(torch.compile(moe.eval(), backend="eager"), x) == (4, 6)
+
+    class DuckDispatcher:  # a user's dispatcher that offers run_experts only
+        def __init__(self, inner):
+            self.inner = inner
+
+        def run_experts(self, *args, **kwargs):
+            return self.inner.run_experts(*args, **kwargs)
+
     moe = make_moe()
-    moe.experts = UsersExperts(moe.experts)
-    assert_matches_eager(moe, x, torch.float32, "aot_eager", what="user's experts")
+    moe.experts.dispatcher = DuckDispatcher(moe.experts.dispatcher)
+    assert not moe.experts.runs_eagerly_under_compile(x.view(-1, 64), None)
+    assert_matches_eager(moe, x, torch.float32, "aot_eager", what="duck-typed dispatcher")

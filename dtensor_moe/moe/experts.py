@@ -278,10 +278,12 @@ def _swiglu_bmm(
 # SwiGLU product and the expert outputs. Each rebuild written into a fresh tensor costs a fresh
 # allocation, and on CPU glibc hands big ones fresh pages (page faults on every step; see "The
 # CPU allocator" in docs/benchmarks.md). So the gathered rows go into the expert outputs' buffer
-# once the score gradients have read it, the product's gradient into the product's buffer once
-# ``grad_w2`` has read it, and ``silu_backward`` writes in place: the same ops on the same
-# values, so the same bits, with fewer fresh buffers. ``torch._grouped_mm`` has no ``out=``, so
-# its results stay fresh.
+# once the score gradients have read it (without ``recompute_experts``, and when the scores
+# need a gradient; otherwise the rows are gathered fresh, and only when a weight gradient needs
+# them), the gate's gradient (``grad_h * h3``, then ``silu_backward`` in place) into the SwiGLU
+# product's buffer once ``grad_w2`` has read it, and the forward's product is made in place:
+# the same ops on the same values, so the same bits, with fewer fresh buffers.
+# ``torch._grouped_mm`` has no ``out=``, so its results stay fresh.
 
 
 class _RoutedSwiGLU(torch.autograd.Function):
@@ -350,8 +352,8 @@ class _RoutedSwiGLU(torch.autograd.Function):
             # out_RD again, by the forward's own call: the plain path's saved expert outputs.
             scratch_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
             grad_scores_TK = combine_score_grads(grad_TD, scratch_RD, row_TK).to(scores_TK.dtype)
-        if x_RD is None:  # the token gather again, into the dead expert outputs when there are
-            x_RD = torch.index_select(x_TD, 0, token_N, out=scratch_RD)
+        if x_RD is None and (need[2] or need[4]):  # the token gather again, into the dead
+            x_RD = torch.index_select(x_TD, 0, token_N, out=scratch_RD)  # outputs if any
         del scratch_RD
         grad_w2 = torch._grouped_mm(grad_RD.t(), h_RH, offs=offs_e) if need[3] else None
         grad_h_RH = torch._grouped_mm(grad_RD, w2_eDH, offs=offs_e)
@@ -553,7 +555,8 @@ class GroupedExperts(nn.Module):
         does not take the dtype or the row alignment). An :class:`~dtensor_moe.moe.MoE` then
         calls this module eagerly as a whole (Note [Eager islands under torch.compile] in
         ``layer.py``)."""
-        if self.dispatcher.runs_eagerly_under_compile(capacity):
+        ask = getattr(self.dispatcher, "runs_eagerly_under_compile", None)  # a duck-typed one
+        if ask is not None and ask(capacity):
             return True
         grouped = self.compute_path in ("auto", "grouped_mm")
         return not (grouped and _grouped_mm_supported(x_TD, local_expert_weight(self.w1)))

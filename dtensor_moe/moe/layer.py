@@ -225,7 +225,10 @@ class MoE(nn.Module):
 # in the layer, with torch's default ``nested_graph_breaks=False`` too. The island runs
 # exactly the eager code (the module's hooks included), so results are the eager ones; the
 # router, the shared experts and the token-parallel views around it stay compiled. An experts
-# module without that method (a user's own) is called as usual.
+# module without that method (a user's own) is called as usual. The question is asked about the
+# input the layer hands the experts, before their module's own hooks: a hook that changes the
+# dtype (an FSDP2 unit's cast) and so the compute path leaves the experts' own islands to act,
+# one frame further down: the same results, more breaks.
 
 
 def _eager_under_compile(experts: nn.Module, x_TD: torch.Tensor, capacity) -> bool:

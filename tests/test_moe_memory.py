@@ -181,10 +181,11 @@ def test_sum_backward_and_no_input_grad():
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_frozen_router_scores_need_no_gradient(recompute):
+def test_frozen_router_or_experts(recompute):
     """With the router frozen and an input without grad, the fused step's scores need no
     gradient: no expert outputs are rebuilt, and the rows are gathered into a fresh buffer
-    (Note [Scratch buffers of the fused step]); the expert gradients are the plain path's bits."""
+    (Note [Scratch buffers of the fused step]); the expert gradients are the plain path's bits.
+    With the experts frozen, the rows are not gathered again at all."""
     torch.manual_seed(0)
     moe = MoE(MoEConfig(dim=32, hidden_dim=64, num_experts=8, top_k=2, init_std=0.3,
                         recompute_experts=recompute))
@@ -195,6 +196,18 @@ def test_frozen_router_scores_need_no_gradient(recompute):
     plain(x).backward(g)
     for (name, p), q in zip(moe.experts.named_parameters(), plain.experts.parameters()):
         assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    # frozen experts instead: no weight gradient reads the gathered rows, x.grad is the same bits
+    moe.router.requires_grad_(True)
+    plain.router.requires_grad_(True)
+    for m in (moe, plain):
+        m.zero_grad(set_to_none=True)
+        m.experts.requires_grad_(False)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    moe(xs[0]).backward(g)
+    plain(xs[1]).backward(g)
+    assert torch.equal(xs[0].grad, xs[1].grad)
+    for (name, p), q in zip(moe.router.named_parameters(), plain.router.parameters()):
+        assert torch.equal(p.grad, q.grad), name
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

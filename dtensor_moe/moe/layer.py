@@ -94,8 +94,8 @@ class MoE(nn.Module):
     * the ``loop``/``bmm`` paths (forced, or ``auto`` with a dtype or row alignment that
       ``torch._grouped_mm`` does not take) need host counts, as do ``pad_multiple > 1``, a
       capacity without ``pad_to_capacity`` and expert parallelism: the routed experts then run
-      eagerly, called from this frame, which is one more break (Note [Eager islands under
-      torch.compile]).
+      eagerly, called from this frame, which is then the one break in training too: the counter
+      update runs in that island (Note [Eager islands under torch.compile]).
 
     ``tests/test_moe_compile.py`` pins the break counts and checks outputs, input and param
     gradients and the router buffers against eager, also under activation checkpointing.
@@ -177,10 +177,17 @@ class MoE(nn.Module):
         del x  # only plain tensors cross the experts (see above)
         capacity = {} if routing.capacity is None else {"capacity": routing.capacity}
         args = (x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E)
+        # the router's counter update: last in the forward, or in the island (both eager)
+        count = None
+        if self.router.training:
+            router = self.router
+            count = (router.tokens_per_expert, routing.count_E, router.dropped_per_expert,
+                     routing.dropped_E)
         if torch.compiler.is_compiling() and _eager_under_compile(
             self.experts, x_TD, routing.capacity
         ):
-            y_TD = _experts_eagerly(self.experts, *args, **capacity)
+            y_TD = _experts_eagerly(self.experts, count, *args, **capacity)
+            count = None  # counted in the island: no second break at the end
         else:
             y_TD = self.experts(*args, **capacity)
         if isinstance(y_TD, DTensor):  # expert TP with gathered tokens: Partial on the etp mesh
@@ -190,13 +197,8 @@ class MoE(nn.Module):
         if routing.aux_loss is not None:
             y_TD = attach_aux_loss(y_TD, routing.aux_loss, mode=self.config.aux_loss_mode)
         y = tokens.output(y_TD)
-        if self.router.training:  # last, and from this frame: Note [MoE under torch.compile]
-            count_unless_recompute(
-                self.router.tokens_per_expert,
-                routing.count_E,
-                self.router.dropped_per_expert,
-                routing.dropped_E,
-            )
+        if count is not None:  # last, and from this frame: Note [MoE under torch.compile]
+            count_unless_recompute(*count)
         return y
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -224,7 +226,9 @@ class MoE(nn.Module):
 # eagerly in part, calls the whole experts module eagerly from its own frame: one graph break
 # in the layer, with torch's default ``nested_graph_breaks=False`` too. The island runs
 # exactly the eager code (the module's hooks included), so results are the eager ones; the
-# router, the shared experts and the token-parallel views around it stay compiled. An experts
+# router, the shared experts and the token-parallel views around it stay compiled. In training,
+# the router's counter update (eager too, Note [MoE under torch.compile]) runs in the island
+# rather than at the end of the forward, so the island is the layer's only break. An experts
 # module without that method (a user's own) is called as usual. The question is asked about the
 # input the layer hands the experts, before their module's own hooks: a hook that changes the
 # dtype (an FSDP2 unit's cast) and so the compute path leaves the experts' own islands to act,
@@ -236,7 +240,9 @@ def _eager_under_compile(experts: nn.Module, x_TD: torch.Tensor, capacity) -> bo
     return ask is not None and bool(ask(x_TD, capacity))
 
 
-def _experts_eagerly(experts: nn.Module, *args, **kwargs) -> torch.Tensor:
+def _experts_eagerly(experts: nn.Module, count: tuple | None, *args, **kwargs) -> torch.Tensor:
+    if count is not None:  # the router's counter update, here rather than in a break of its own
+        count_unless_recompute(*count)
     y_TD = experts(*args, **kwargs)
     # A DTensor leaving the island would reach AOT autograd as an output whose tangent it
     # cannot match; the layer takes the local tensor of the Partial output anyway.

@@ -241,9 +241,9 @@ def _eager_under_compile(experts: nn.Module, x_TD: torch.Tensor, capacity) -> bo
 
 
 def _experts_eagerly(experts: nn.Module, count: tuple | None, *args, **kwargs) -> torch.Tensor:
-    if count is not None:  # the router's counter update, here rather than in a break of its own
-        count_unless_recompute(*count)
     y_TD = experts(*args, **kwargs)
+    if count is not None:  # the router's counter update, here rather than in a break of its own
+        count_unless_recompute(*count)  # after the experts, as in eager: a failed call counts none
     # A DTensor leaving the island would reach AOT autograd as an output whose tangent it
     # cannot match; the layer takes the local tensor of the Partial output anyway.
     return y_TD.to_local() if isinstance(y_TD, DTensor) else y_TD

@@ -34,7 +34,8 @@ gradient is a partial sum over that dim: ``Partial``. A ``Partial`` weight is an
 
 Note [What the experts save for backward]: on the default single-process path (local
 dispatcher, no padding, scores in combine, ``grouped_mm``, ``fused_routed_step``),
-:meth:`GroupedExperts.routed_step` runs the token gather, the SwiGLU and the combine as one autograd node, :class:`_RoutedSwiGLU`.
+:meth:`GroupedExperts.routed_step` runs the token gather, the SwiGLU and the combine as one
+autograd node, :class:`_RoutedSwiGLU` (its SwiGLU steps: Note [SwiGLU steps on grouped_mm]).
 Plain autograd over those steps saves the gathered rows (``R x D``), both pre-activations,
 ``silu(h1)`` and the product (``R x H`` each), and the expert outputs for the score gradient
 (``T x K x D``). The node saves only what backward cannot cheaply rebuild:
@@ -272,6 +273,108 @@ def _swiglu_bmm(
     return torch.bmm(F.silu(gate_ecH) * up_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
 
 
+# Note [SwiGLU steps on grouped_mm]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The fused routed step (:class:`_RoutedSwiGLU`) and the expert-parallel one-node step
+# (``_ExpertParallelStep`` in ``dtensor_moe/parallel/dispatch.py``) run the SwiGLU and its
+# backward by hand, on ``torch._grouped_mm`` over row groups ending at ``offs``. They share
+# the helpers below, which issue exactly the ops of :func:`grouped_swiglu`'s forward and of
+# autograd's backward for it (``grouped_mm``'s formulas, ``silu_backward``), so both steps give
+# the plain path's bits. The split into pieces lets each caller order them: the fused step
+# reads the product for its score gradient before ``grad_w2``, and the expert-parallel step
+# finishes one part's input gradient before the other part's weight gradients, around its
+# exchanges.
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def _swiglu_forward(
+    x_RD: torch.Tensor,
+    w1_eHD: torch.Tensor,
+    w2_eDH: torch.Tensor,
+    w3_eHD: torch.Tensor,
+    offs: torch.Tensor,
+    gate_RH: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Grouped SwiGLU of row groups ending at ``offs``: ``(out_RD, (gate_RH, up_RH))``.
+
+    The pre-activations are what backward needs; :func:`_swiglu_saved` rebuilds the rest.
+    ``gate_RH``: the gate projection, when the caller computed it earlier (Note [Overlapped
+    all-to-all] in ``dtensor_moe/parallel/dispatch.py``).
+    """
+    if gate_RH is None:
+        gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
+    up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
+    h_RH = F.silu(gate_RH).mul_(up_RH)  # in place: one R x H buffer fewer, the same bits
+    return _gmm(h_RH, w2_eDH.transpose(-2, -1), offs), (gate_RH, up_RH)
+
+
+def _swiglu_saved(
+    x_RD: torch.Tensor | None,
+    hidden: tuple[torch.Tensor, ...],
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    offs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(gate_RH, up_RH, silu(gate_RH), h_RH)`` for the backward of :func:`_swiglu_forward`,
+    from the saved pre-activations ``hidden``, or, when it is empty (``recompute_experts``),
+    recomputed from the input ``x_RD`` by two ``grouped_mm`` calls; the forward's bits."""
+    if hidden:
+        gate_RH, up_RH = hidden
+    else:
+        w1_eHD, _, w3_eHD = weights
+        gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
+        up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
+    act_RH = F.silu(gate_RH)
+    return gate_RH, up_RH, act_RH, act_RH * up_RH
+
+
+def _w2_grad(grad_RD: torch.Tensor, saved: tuple[torch.Tensor, ...], offs) -> torch.Tensor:
+    """``grad_w2`` of :func:`_swiglu_forward` (``saved`` from :func:`_swiglu_saved`)."""
+    return _gmm(grad_RD.t(), saved[3], offs)
+
+
+def _gate_up_grads(
+    grad_RD: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    w2_eDH: torch.Tensor,
+    offs: torch.Tensor,
+    product_dead: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-activations' gradients ``(grad_gate_RH, grad_up_RH)`` of
+    :func:`_swiglu_forward`. ``product_dead``: the caller is done with the product
+    (``saved[3]``: :func:`_w2_grad` and any score gradient have read it), whose buffer then
+    takes the gate's gradient (Note [Scratch buffers of the fused step])."""
+    gate_RH, up_RH, act_RH, h_RH = saved
+    grad_h_RH = _gmm(grad_RD, w2_eDH, offs)
+    grad_gate_RH = torch.mul(grad_h_RH, up_RH, out=h_RH if product_dead else None)
+    torch.ops.aten.silu_backward.grad_input(grad_gate_RH, gate_RH, grad_input=grad_gate_RH)
+    return grad_gate_RH, grad_h_RH.mul_(act_RH)
+
+
+def _x_grad(
+    grad_gate_RH: torch.Tensor, grad_up_RH: torch.Tensor, weights: tuple, offs: torch.Tensor
+) -> torch.Tensor:
+    """The input's gradient of :func:`_swiglu_forward`, from :func:`_gate_up_grads`."""
+    w1_eHD, _, w3_eHD = weights
+    return _gmm(grad_gate_RH, w1_eHD, offs).add_(_gmm(grad_up_RH, w3_eHD, offs))
+
+
+def _w13_grads(
+    x_RD: torch.Tensor | None,
+    grad_gate_RH: torch.Tensor,
+    grad_up_RH: torch.Tensor,
+    offs: torch.Tensor,
+    need: tuple[bool, bool] = (True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_w1, grad_w3)`` of :func:`_swiglu_forward`; ``need`` skips either (``None``)."""
+    return (
+        _gmm(grad_gate_RH.t(), x_RD, offs) if need[0] else None,
+        _gmm(grad_up_RH.t(), x_RD, offs) if need[1] else None,
+    )
+
+
 # Note [Scratch buffers of the fused step]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The fused step's backward rebuilds what its forward did not keep: the gathered rows, the
@@ -306,17 +409,14 @@ class _RoutedSwiGLU(torch.autograd.Function):
         recompute: bool,
     ) -> torch.Tensor:
         x_RD = x_TD.index_select(0, token_N)
-        h1_RH = torch._grouped_mm(x_RD, w1_eHD.transpose(-2, -1), offs=offs_e)
-        h3_RH = torch._grouped_mm(x_RD, w3_eHD.transpose(-2, -1), offs=offs_e)
-        h_RH = F.silu(h1_RH).mul_(h3_RH)  # in place: one N x H buffer fewer, the same bits
-        out_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
-        del h_RH
+        out_RD, hidden = _swiglu_forward(x_RD, w1_eHD, w2_eDH, w3_eHD, offs_e)
+        del x_RD
         y_TD = weighted_row_sum(out_RD, row_TK, scores_TK.to(x_TD.dtype))
         del out_RD
-        hidden = () if recompute else (h1_RH, h3_RH)
         ctx.save_for_backward(
-            x_TD, scores_TK, w1_eHD, w2_eDH, w3_eHD, token_N, order_N, row_TK, offs_e, *hidden
-        )
+            x_TD, scores_TK, w1_eHD, w2_eDH, w3_eHD, token_N, order_N, row_TK, offs_e,
+            *(() if recompute else hidden),
+        )  # fmt: skip
         return y_TD
 
     @staticmethod
@@ -332,17 +432,11 @@ class _RoutedSwiGLU(torch.autograd.Function):
             ctx.saved_tensors
         )
         T, K = row_TK.shape
+        weights = (w1_eHD, w2_eDH, w3_eHD)
         # Note [Scratch buffers of the fused step]: dead buffers are written again (``out=``,
         # in place) rather than fresh ones allocated; the values and bits are the same.
-        x_RD = None
-        if hidden:
-            h1_RH, h3_RH = hidden
-        else:
-            x_RD = x_TD.index_select(0, token_N)
-            h1_RH = torch._grouped_mm(x_RD, w1_eHD.transpose(-2, -1), offs=offs_e)
-            h3_RH = torch._grouped_mm(x_RD, w3_eHD.transpose(-2, -1), offs=offs_e)
-        act_RH = F.silu(h1_RH)
-        h_RH = act_RH * h3_RH
+        x_RD = None if hidden else x_TD.index_select(0, token_N)
+        saved = _swiglu_saved(x_RD, tuple(hidden), weights, offs_e)
         need = ctx.needs_input_grad
         # The plain combine's backward, op for op (Note [What the experts save for backward]).
         s_TK = scores_TK.to(x_TD.dtype)
@@ -350,26 +444,18 @@ class _RoutedSwiGLU(torch.autograd.Function):
         grad_scores_TK, scratch_RD = None, None
         if need[1]:
             # out_RD again, by the forward's own call: the plain path's saved expert outputs.
-            scratch_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
+            scratch_RD = _gmm(saved[3], w2_eDH.transpose(-2, -1), offs_e)
             grad_scores_TK = combine_score_grads(grad_TD, scratch_RD, row_TK).to(scores_TK.dtype)
         if x_RD is None and (need[2] or need[4]):  # the token gather again, into the dead
             x_RD = torch.index_select(x_TD, 0, token_N, out=scratch_RD)  # outputs if any
         del scratch_RD
-        grad_w2 = torch._grouped_mm(grad_RD.t(), h_RH, offs=offs_e) if need[3] else None
-        grad_h_RH = torch._grouped_mm(grad_RD, w2_eDH, offs=offs_e)
-        del grad_RD
-        grad_h1_RH = torch.mul(grad_h_RH, h3_RH, out=h_RH)  # h_RH is dead after grad_w2
-        del h_RH
-        torch.ops.aten.silu_backward.grad_input(grad_h1_RH, h1_RH, grad_input=grad_h1_RH)
-        grad_h3_RH = grad_h_RH.mul_(act_RH)
-        grad_w1 = torch._grouped_mm(grad_h1_RH.t(), x_RD, offs=offs_e) if need[2] else None
-        grad_w3 = torch._grouped_mm(grad_h3_RH.t(), x_RD, offs=offs_e) if need[4] else None
+        grad_w2 = _w2_grad(grad_RD, saved, offs_e) if need[3] else None
+        grad_gate_RH, grad_up_RH = _gate_up_grads(grad_RD, saved, w2_eDH, offs_e, True)
+        del grad_RD, saved
+        grad_w1, grad_w3 = _w13_grads(x_RD, grad_gate_RH, grad_up_RH, offs_e, (need[2], need[4]))
         grad_x_TD = None
         if need[0]:
-            grad_x_RD = torch._grouped_mm(grad_h1_RH, w1_eHD, offs=offs_e).add_(
-                torch._grouped_mm(grad_h3_RH, w3_eHD, offs=offs_e)
-            )
-            grad_x_TD = sum_rows(grad_x_RD, row_TK)
+            grad_x_TD = sum_rows(_x_grad(grad_gate_RH, grad_up_RH, weights, offs_e), row_TK)
         return grad_x_TD, grad_scores_TK, grad_w1, grad_w2, grad_w3, *(None,) * 5
 
 

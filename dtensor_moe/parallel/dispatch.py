@@ -83,8 +83,9 @@ recording, the exchanges are launched directly, and the order of the steps is ex
 of relying on autograd's scheduling. ``CommDebugMode`` still sees every exchange (as
 ``c10d.alltoall_base_``), so the collective counts stay pinned in the tests. Dead exchange
 buffers are reused for the next exchange of the same size: fresh multi-megabyte buffers cost
-page faults on CPU. The math is the same ``grouped_mm`` calls as ``grouped_swiglu``; the
-gradients match the autograd of ``permute_tokens`` -> ``grouped_swiglu`` ->
+page faults on CPU. The math is the same ``grouped_mm`` calls as ``grouped_swiglu``, through
+the SwiGLU helpers the fused routed step uses too (Note [SwiGLU steps on grouped_mm] in
+``dtensor_moe/moe/experts.py``); the gradients match the autograd of ``permute_tokens`` -> ``grouped_swiglu`` ->
 ``unpermute_and_reduce`` up to float rounding (the combine adds the ``X`` rows of a token in
 ``x`` order).
 
@@ -124,7 +125,16 @@ from dtensor_moe.moe.dispatch import (
     unpermute_and_reduce,
     weighted_row_sum,
 )
-from dtensor_moe.moe.experts import _grouped_mm_supported
+from dtensor_moe.moe.experts import (
+    _gate_up_grads,
+    _gmm,
+    _grouped_mm_supported,
+    _swiglu_forward,
+    _swiglu_saved,
+    _w2_grad,
+    _w13_grads,
+    _x_grad,
+)
 from dtensor_moe.parallel.mesh import local_rank, mesh_ranks
 
 __all__ = ["AllToAllMetadata", "AllToAllTokenDispatcher"]
@@ -166,83 +176,6 @@ def replicate_over_etp(
     ep = counts_E.numel() // e
     counts_X = counts_E.view(ep, 1, e).expand(ep, R, e).reshape(-1)
     return ids_TKR.flatten(1), counts_X
-
-
-def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(a, b, offs=offs)
-
-
-def _swiglu_forward(
-    x_RD: torch.Tensor,
-    w1_eHD: torch.Tensor,
-    w2_eDH: torch.Tensor,
-    w3_eHD: torch.Tensor,
-    offs: torch.Tensor,
-    gate_RH: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Grouped SwiGLU on row groups ending at ``offs``; returns the output and what backward needs.
-
-    The same ``grouped_mm`` calls as ``grouped_swiglu``. ``gate_RH``: the gate projection, when
-    it was computed earlier (Note [Overlapped all-to-all]). What backward needs is the two
-    pre-activations ``(gate_RH, up_RH)``; :func:`_swiglu_saved` rebuilds the rest from them
-    (Note [What the experts save for backward] in ``dtensor_moe/moe/experts.py``).
-    """
-    if gate_RH is None:
-        gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
-    up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
-    h_RH = torch.nn.functional.silu(gate_RH).mul_(up_RH)  # in place: the same bits
-    return _gmm(h_RH, w2_eDH.transpose(-2, -1), offs), (gate_RH, up_RH)
-
-
-def _swiglu_saved(
-    x_RD: torch.Tensor, hidden: tuple[torch.Tensor, ...], weights: tuple, offs: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """``(x_RD, gate_RH, up_RH, silu(gate_RH), h_RH)`` for the backward of
-    :func:`_swiglu_forward`, from its input and the saved pre-activations (recomputed by two
-    ``grouped_mm`` calls when ``hidden`` is empty: ``recompute_experts``); the same bits as
-    the forward's."""
-    if hidden:
-        gate_RH, up_RH = hidden
-    else:
-        w1_eHD, _, w3_eHD = weights
-        gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
-        up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
-    act_RH = torch.nn.functional.silu(gate_RH)
-    return x_RD, gate_RH, up_RH, act_RH, act_RH * up_RH
-
-
-def _swiglu_input_grad(
-    grad_RD: torch.Tensor,
-    saved: tuple[torch.Tensor, ...],
-    weights: tuple,
-    offs: torch.Tensor,
-    product_dead: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(grad_x_RD, grad_gate_RH, grad_up_RH)`` of :func:`_swiglu_forward`; ``saved`` from
-    :func:`_swiglu_saved`. ``product_dead``: the caller is done with the SwiGLU product
-    (``saved[4]``, read by :func:`_w2_grad`), whose buffer then takes the gate's gradient (Note
-    [Scratch buffers of the fused step] in ``dtensor_moe/moe/experts.py``)."""
-    _, gate_RH, up_RH, act_RH, h_RH = saved
-    w1_eHD, w2_eDH, w3_eHD = weights
-    grad_h_RH = _gmm(grad_RD, w2_eDH, offs)
-    grad_gate_RH = torch.mul(grad_h_RH, up_RH, out=h_RH if product_dead else None)
-    torch.ops.aten.silu_backward.grad_input(grad_gate_RH, gate_RH, grad_input=grad_gate_RH)
-    grad_up_RH = grad_h_RH.mul_(act_RH)
-    grad_x_RD = _gmm(grad_gate_RH, w1_eHD, offs).add_(_gmm(grad_up_RH, w3_eHD, offs))
-    return grad_x_RD, grad_gate_RH, grad_up_RH
-
-
-def _w2_grad(grad_RD: torch.Tensor, saved: tuple[torch.Tensor, ...], offs) -> torch.Tensor:
-    """``grad_w2`` of :func:`_swiglu_forward`."""
-    return _gmm(grad_RD.t(), saved[4], offs)
-
-
-def _w13_grads(
-    saved: tuple[torch.Tensor, ...], grad_gate_RH: torch.Tensor, grad_up_RH: torch.Tensor, offs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_w1, grad_w3)`` of :func:`_swiglu_forward`."""
-    x_RD = saved[0]
-    return _gmm(grad_gate_RH.t(), x_RD, offs), _gmm(grad_up_RH.t(), x_RD, offs)
 
 
 def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -393,9 +326,8 @@ class _ExpertParallelStep(torch.autograd.Function):
         T, X = scores_TX.shape
         D, row_TX = out_ND.shape[-1], row_N.view(T, X)
         n_send, n_kept = route.n_send, route.n_kept
-        own_saved = _swiglu_saved(
-            x_TD.index_select(0, token_N[n_send:n_kept]), hidden[:2], weights, route.offs_own
-        )
+        x_own_RD = x_TD.index_select(0, token_N[n_send:n_kept])
+        own_saved = _swiglu_saved(x_own_RD, hidden[:2], weights, route.offs_own)
         # The combine's backward, by the plain combine's helpers: the score's gradient is the
         # dot product of the token's gradient with the row's output; each sorted row's gradient
         # is the token's gradient times the score (one gather: the rows are the pairs, sorted).
@@ -411,16 +343,16 @@ class _ExpertParallelStep(torch.autograd.Function):
         # The own rows' whole backward while the output gradients travel.
         grad_own = grad_ND[n_send:n_kept]
         grad_w2 = _w2_grad(grad_own, own_saved, route.offs_own)
-        grad_x_own, own_grad_gate, own_grad_up = _swiglu_input_grad(
-            grad_own, own_saved, weights, route.offs_own, product_dead=True
+        own_grad_gate, own_grad_up = _gate_up_grads(
+            grad_own, own_saved, weights[1], route.offs_own, product_dead=True
         )
-        grad_w1, grad_w3 = _w13_grads(own_saved, own_grad_gate, own_grad_up, route.offs_own)
+        grad_x_own = _x_grad(own_grad_gate, own_grad_up, weights, route.offs_own)
+        grad_w1, grad_w3 = _w13_grads(x_own_RD, own_grad_gate, own_grad_up, route.offs_own)
         recv_saved = _swiglu_saved(routed_RD, hidden[2:], weights, route.offs_recv)
         work.wait()
         grad_RD = grad_recv_MD.index_select(0, token_M)
-        grad_x_RD, grad_gate, grad_up = _swiglu_input_grad(
-            grad_RD, recv_saved, weights, route.offs_recv
-        )
+        grad_gate, grad_up = _gate_up_grads(grad_RD, recv_saved, weights[1], route.offs_recv)
+        grad_x_RD = _x_grad(grad_gate, grad_up, weights, route.offs_recv)
         grad_sent_ND = grad_ND  # dead since the wait: reused, as in the forward
         work = dist.all_to_all_single(
             grad_sent_ND[:n_send],
@@ -431,7 +363,7 @@ class _ExpertParallelStep(torch.autograd.Function):
             async_op=True,
         )
         grad_w2.add_(_w2_grad(grad_RD, recv_saved, route.offs_recv))
-        recv_w1, recv_w3 = _w13_grads(recv_saved, grad_gate, grad_up, route.offs_recv)
+        recv_w1, recv_w3 = _w13_grads(routed_RD, grad_gate, grad_up, route.offs_recv)
         grad_w1.add_(recv_w1)
         grad_w3.add_(recv_w3)
         grad_sent_ND[n_send:n_kept].copy_(grad_x_own)

@@ -85,9 +85,9 @@ of relying on autograd's scheduling. ``CommDebugMode`` still sees every exchange
 buffers are reused for the next exchange of the same size: fresh multi-megabyte buffers cost
 page faults on CPU. The math is the same ``grouped_mm`` calls as ``grouped_swiglu``, through
 the SwiGLU helpers the fused routed step uses too (Note [SwiGLU steps on grouped_mm] in
-``dtensor_moe/moe/experts.py``); the gradients match the autograd of ``permute_tokens`` -> ``grouped_swiglu`` ->
-``unpermute_and_reduce`` up to float rounding (the combine adds the ``X`` rows of a token in
-``x`` order).
+``dtensor_moe/moe/experts.py``); the gradients match the autograd of ``permute_tokens`` ->
+``grouped_swiglu`` -> ``unpermute_and_reduce`` up to float rounding (the combine adds the
+``X`` rows of a token in ``x`` order).
 
 With ``pad_multiple > 1``, ``score_before_experts``, ``pad_to_capacity`` (the static exchange
 of Note [Static exchange at capacity]), or a compute path other than ``grouped_mm`` (an

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -297,6 +298,41 @@ class ExpertParallelMemoryTest(DistTestBase):
                 got.append(results)
             for what in got[0]:
                 assert torch.equal(got[0][what], got[1][what]), (name, what)
+
+    @with_comms
+    def test_ep4_frozen_experts(self):
+        """Frozen experts under the one-node step: no expert gradients, and the input's and the
+        router's gradients are the same bits as with trainable experts (with and without
+        recompute: the own rows are gathered again only when something reads them)."""
+        import dtensor_moe.moe.experts as experts_module
+        from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
+
+        for recompute in (False, True):
+            grads = []
+            for frozen in (False, True):
+                torch.manual_seed(0)
+                moe = MoE(MoEConfig(dim=32, hidden_dim=48, num_experts=8, top_k=3,
+                                    init_std=0.3, recompute_experts=recompute))
+                parallelize_moe(moe, build_moe_meshes(dp=4, ep=4), sequence_parallel=False)
+                moe.experts.requires_grad_(not frozen)
+                torch.manual_seed(1 + self.rank)
+                x = torch.randn(2, 9, 32, requires_grad=True)
+                y = moe(x)
+                calls = []
+                real = experts_module._gmm
+                with mock.patch.object(experts_module, "_gmm",
+                                       lambda *a, real=real: calls.append(1) or real(*a)):
+                    y.backward(torch.randn(2, 9, 32))
+                # own and received rows: grad_h, two for the input, and (trainable) three
+                # weight gradients each; recompute adds gate and up for each part
+                assert len(calls) == (6 if frozen else 12) + 4 * recompute, len(calls)
+                if frozen:
+                    assert all(p.grad is None for p in moe.experts.parameters())
+                else:
+                    assert all(p.grad is not None for p in moe.experts.parameters())
+                grads.append([x.grad] + [p.grad for p in moe.router.parameters()])
+            for a, b in zip(*grads, strict=True):
+                assert torch.equal(a, b), recompute
 
     @with_comms
     def test_ep4_saved_bytes_per_rank(self):

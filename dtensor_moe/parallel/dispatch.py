@@ -228,6 +228,9 @@ class _ExpertParallelStep(torch.autograd.Function):
     (none with ``recompute``: backward recomputes them), not ``silu(gate)`` nor the product;
     and the ``N x D`` expert outputs, whose dot products with the token gradients give the
     score gradients on this rank (the received rows' outputs were computed on other ranks).
+    Backward computes a weight's gradient only when the weight requires one: frozen experts
+    (fine-tuning the rest of the model) skip their six weight-gradient ``grouped_mm`` calls, and
+    the own rows are then gathered again only for a recompute. The exchanges are the same.
     """
 
     @staticmethod
@@ -326,13 +329,17 @@ class _ExpertParallelStep(torch.autograd.Function):
         T, X = scores_TX.shape
         D, row_TX = out_ND.shape[-1], row_N.view(T, X)
         n_send, n_kept = route.n_send, route.n_kept
-        x_own_RD = x_TD.index_select(0, token_N[n_send:n_kept])
+        need = ctx.needs_input_grad
+        need_w13 = (need[2], need[4])  # frozen experts: no weight gradients (nor their rows)
+        x_own_RD = None
+        if not hidden or any(need_w13):
+            x_own_RD = x_TD.index_select(0, token_N[n_send:n_kept])
         own_saved = _swiglu_saved(x_own_RD, hidden[:2], weights, route.offs_own)
         # The combine's backward, by the plain combine's helpers: the score's gradient is the
         # dot product of the token's gradient with the row's output; each sorted row's gradient
         # is the token's gradient times the score (one gather: the rows are the pairs, sorted).
         grad_scores_TX = None
-        if ctx.needs_input_grad[1]:
+        if need[1]:
             grad_scores_TX = combine_score_grads(grad_TD, out_ND, row_TX).to(scores_TX.dtype)
         s_TX = scores_TX.to(grad_TD.dtype)
         grad_ND = combine_row_grads(grad_TD, s_TX, row_TX, out_ND.shape[0], order_N)
@@ -342,12 +349,15 @@ class _ExpertParallelStep(torch.autograd.Function):
         )
         # The own rows' whole backward while the output gradients travel.
         grad_own = grad_ND[n_send:n_kept]
-        grad_w2 = _w2_grad(grad_own, own_saved, route.offs_own)
+        grad_w2 = _w2_grad(grad_own, own_saved, route.offs_own) if need[3] else None
         own_grad_gate, own_grad_up = _gate_up_grads(
             grad_own, own_saved, weights[1], route.offs_own, product_dead=True
         )
         grad_x_own = _x_grad(own_grad_gate, own_grad_up, weights, route.offs_own)
-        grad_w1, grad_w3 = _w13_grads(x_own_RD, own_grad_gate, own_grad_up, route.offs_own)
+        grad_w1, grad_w3 = _w13_grads(
+            x_own_RD, own_grad_gate, own_grad_up, route.offs_own, need_w13
+        )
+        del x_own_RD
         recv_saved = _swiglu_saved(routed_RD, hidden[2:], weights, route.offs_recv)
         work.wait()
         grad_RD = grad_recv_MD.index_select(0, token_M)
@@ -362,10 +372,12 @@ class _ExpertParallelStep(torch.autograd.Function):
             group=route.group,
             async_op=True,
         )
-        grad_w2.add_(_w2_grad(grad_RD, recv_saved, route.offs_recv))
-        recv_w1, recv_w3 = _w13_grads(routed_RD, grad_gate, grad_up, route.offs_recv)
-        grad_w1.add_(recv_w1)
-        grad_w3.add_(recv_w3)
+        if grad_w2 is not None:
+            grad_w2.add_(_w2_grad(grad_RD, recv_saved, route.offs_recv))
+        recv_w1, recv_w3 = _w13_grads(routed_RD, grad_gate, grad_up, route.offs_recv, need_w13)
+        for grad_w, recv_w in ((grad_w1, recv_w1), (grad_w3, recv_w3)):
+            if grad_w is not None:
+                grad_w.add_(recv_w)
         grad_sent_ND[n_send:n_kept].copy_(grad_x_own)
         grad_sent_ND[n_kept:].zero_()  # dropped pairs: no gradient to their tokens
         work.wait()

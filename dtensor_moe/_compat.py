@@ -11,7 +11,6 @@ module covers its functions). These are ops and functions that the code calls di
 public equivalent in torch 2.13; a helper here would only rename them.
 
     dtensor_moe/moe/experts.py: torch._grouped_mm -- the grouped expert matmul
-    dtensor_moe/parallel/dispatch.py: torch._grouped_mm -- the same, in the one-node EP step
     dtensor_moe/parallel/dispatch.py: torch.distributed._functional_collectives -- the
         count/token all-to-alls of the plain EP path (all_to_all_single[_autograd], wait_tensor)
         and the static exchange at capacity, which traces under torch.compile

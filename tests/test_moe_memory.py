@@ -301,9 +301,10 @@ class ExpertParallelMemoryTest(DistTestBase):
 
     @with_comms
     def test_ep4_frozen_experts(self):
-        """Frozen experts under the one-node step: no expert gradients, and the input's and the
-        router's gradients are the same bits as with trainable experts (with and without
-        recompute: the own rows are gathered again only when something reads them)."""
+        """Frozen experts under the one-node step: its backward runs no weight-gradient
+        ``grouped_mm`` (the count is pinned; it also shows that the one-node step ran), and the
+        input's and the router's gradients are the same bits as with trainable experts, with
+        and without recompute."""
         import dtensor_moe.moe.experts as experts_module
         from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
 

@@ -279,11 +279,13 @@ def _swiglu_bmm(
 # (``_ExpertParallelStep`` in ``dtensor_moe/parallel/dispatch.py``) run the SwiGLU and its
 # backward by hand, on ``torch._grouped_mm`` over row groups ending at ``offs``. They share
 # the helpers below, which issue exactly the ops of :func:`grouped_swiglu`'s forward and of
-# autograd's backward for it (``grouped_mm``'s formulas, ``silu_backward``), so both steps give
-# the plain path's bits. The split into pieces lets each caller order them: the fused step
-# reads the product for its score gradient before ``grad_w2``, and the expert-parallel step
-# finishes one part's input gradient before the other part's weight gradients, around its
-# exchanges.
+# autograd's backward for it (``grouped_mm``'s formulas, ``silu_backward``) on each row group:
+# the fused step gives the plain path's bits, and the expert-parallel step the plain math on
+# its own and received rows (its combine differs from the plain exchange's only in rounding).
+# The split into pieces lets each caller order them: the fused step reads the product for its
+# score gradient before ``grad_w2``; the expert-parallel step finishes the received rows'
+# input gradient and sends it before it computes their weight gradients, and runs the own
+# rows' whole backward while the output gradients travel.
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

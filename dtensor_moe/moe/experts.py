@@ -289,6 +289,8 @@ def _swiglu_bmm(
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)`` as it is, for the hand-written steps (no
+    transpose of ``b`` and no autograd wrapper, unlike :func:`_grouped_mm`)."""
     return torch._grouped_mm(a, b, offs=offs)
 
 

@@ -370,7 +370,7 @@ def _w13_grads(
     grad_gate_RH: torch.Tensor,
     grad_up_RH: torch.Tensor,
     offs: torch.Tensor,
-    need: tuple[bool, bool] = (True, True),
+    need: tuple[bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(grad_w1, grad_w3)`` of :func:`_swiglu_forward`; ``need`` skips either (``None``)."""
     return (
@@ -454,7 +454,7 @@ class _RoutedSwiGLU(torch.autograd.Function):
             x_RD = torch.index_select(x_TD, 0, token_N, out=scratch_RD)  # outputs if any
         del scratch_RD
         grad_w2 = _w2_grad(grad_RD, saved, offs_e) if need[3] else None
-        grad_gate_RH, grad_up_RH = _gate_up_grads(grad_RD, saved, w2_eDH, offs_e, True)
+        grad_gate_RH, grad_up_RH = _gate_up_grads(grad_RD, saved, w2_eDH, offs_e, product_dead=True)
         del grad_RD, saved
         grad_w1, grad_w3 = _w13_grads(x_RD, grad_gate_RH, grad_up_RH, offs_e, (need[2], need[4]))
         grad_x_TD = None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fresh-machine checks (issue 13), in a new venv that holds only what each step installs:
+# Fresh-machine checks, in a new venv that holds only what each step installs:
 #
 #   1. `pip install .` (runtime dependencies only) brings in neither numpy nor matplotlib,
 #      `import dtensor_moe` works from outside the checkout, on the installed package, and the

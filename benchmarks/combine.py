@@ -3,7 +3,7 @@
 Shape legend: T tokens, D dim, K experts per token, R routed rows (``T * K``), E experts.
 
 Three pieces of the MoE layer, each timed alternately with a *baseline*: the per-``k`` loop
-that the package ran before (a copy kept here, not in the package):
+written out here as the plain alternative (it lives only in this script):
 
 - **combine**: ``y[t] = sum_k s[t, k] * out[row[t, k]]``. Package: ``weighted_row_sum``
   (``embedding_bag`` in ``"sum"`` mode, the scores as per-sample weights). Baseline: one

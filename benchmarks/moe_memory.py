@@ -4,8 +4,7 @@ How it counts: every tensor that autograd saves during one forward of the layer 
 mode, input requiring grad) passes through ``torch.autograd.graph.saved_tensors_hooks``. Each is
 keyed by its untyped storage, ``(data_ptr, nbytes)``, and a storage counts once with its full
 size, however many views of it are saved (a view keeps its whole storage alive). Parameters
-saved for backward (the expert and router weights) *are* counted, as in the figures of
-issue 16; the script also prints the count without them (``activations only``), which is what
+saved for backward (the expert and router weights) *are* counted; the script also prints the count without them (``activations only``), which is what
 the layer adds on top of the memory the model holds anyway. Bytes are deterministic: this is
 no timing, and one forward per config is enough.
 

@@ -1,8 +1,7 @@
 """The product on a CUDA device, in one process: what the CPU suite cannot show.
 
 These tests need a CUDA GPU and are skipped without one (CI has none). ``benchmarks/gpu.sh`` runs
-them; ``docs/benchmarks.md`` ("On one GPU") says what a run on an H200 gave and which tests were
-added after it. They check, on the device:
+them; ``docs/benchmarks.md`` ("On one GPU") says what a run on an H200 gave. They check, on the device:
 
 - the MoE layer (fused routed step, plain routed step, loop path; fine-grained shapes with
   top-8, group-limited sigmoid routing with a bias, a shared expert) against a float64

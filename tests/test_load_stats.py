@@ -1,4 +1,4 @@
-"""Issue 16.6: ``dtensor_moe.moe.load_stats`` (tokens per expert, reduced in one collective).
+"""``dtensor_moe.moe.load_stats`` (tokens per expert, reduced in one collective).
 
 One process: exact figures from hand-set counters, counts against top-k selections recomputed
 here, names, ``reset=``, errors. Four gloo ranks: EP4, SP2+EP2 and expert TP2 (L = 7) against

@@ -41,10 +41,10 @@ class Block(nn.Module):
         return x + self.moe(h)
 
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative, as issue 14 asks
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative
 COMPILE_LAYOUTS = ("ep4", "ep2tp2", "ep2tp2_gather", "sp2ep2")
 # CI runs every layout's fp32 parity and training break counts (torch's default;
-# nested_graph_breaks, which counts the same since the one-island change, under the full
+# nested_graph_breaks, which counts the same as the default with one island, under the full
 # matrix; the eval counts on ep4 and sp2ep2, the others under the full matrix), the bf16 parity
 # and the plain EP path on ep4 and sp2ep2, recompute on ep4, and the block and inductor checks
 # on sp2ep2 (uneven SP + EP, the layout with the most moving parts); DTENSOR_MOE_FULL_MATRIX=1

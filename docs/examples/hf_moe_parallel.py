@@ -17,6 +17,9 @@ download), on 4 CPU/gloo processes:
 Run:  python docs/examples/hf_moe_parallel.py [--out DIR]   (launches 4 gloo processes)
   or: torchrun --standalone --nproc-per-node 4 docs/examples/hf_moe_parallel.py [--out DIR]
 
+The checkpoints go to ``--out DIR``, or by default to a new temporary folder; rank 0 prints
+where, first thing.
+
 Needs ``pip install "dtensor_moe[hf]"``. Exits non-zero when a check fails.
 """
 
@@ -26,6 +29,7 @@ import argparse
 import copy
 import os
 import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -166,17 +170,29 @@ def run(model_type: str, out: str, rank: int) -> None:
                              f"trained model by {diff:.2e} relative")
 
 
-def main(out: str) -> None:
+def _output_folder(out: str | None, rank: int) -> str:
+    """``out``, or a temporary folder that rank 0 creates and every rank then uses."""
+    if out is None:
+        made = [tempfile.mkdtemp(prefix="hf_moe_parallel_") if rank == 0 else None]
+        dist.broadcast_object_list(made, src=0)  # every rank writes its DCP shards there
+        out = made[0]
+    if rank == 0:
+        print(f"writing the DCP checkpoints and HF exports under {os.path.abspath(out)}")
+    return out
+
+
+def main(out: str | None) -> None:
     rank = dist.get_rank()
     if dist.get_world_size() != WORLD:
         raise SystemExit(f"this example needs {WORLD} processes, got {dist.get_world_size()}")
+    out = _output_folder(out, rank)
     for model_type in MODELS:
         run(model_type, out, rank)
     if rank == 0:
         print("OK: every step matched the single-process HF model")
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -189,8 +205,9 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="hf_moe_parallel_out",
-                        help="folder for the DCP checkpoints and HF exports")
+    parser.add_argument("--out", default=None,
+                        help="folder for the DCP checkpoints and HF exports "
+                             "(default: a new temporary folder)")
     args = parser.parse_args()
     if "RANK" in os.environ:  # under torchrun
         torch.set_num_threads(1)

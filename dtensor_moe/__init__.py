@@ -15,6 +15,7 @@ from dtensor_moe.parallel import (
     PrepareMoEInput,
     build_moe_meshes,
     fully_shard_moe,
+    parallelize_dense,
     parallelize_moe,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "clip_grad_norm_",
     "collect_aux_losses",
     "fully_shard_moe",
+    "parallelize_dense",
     "parallelize_moe",
     "register_strategies",
 ]

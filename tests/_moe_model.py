@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor_moe import MoE, MoEConfig
+from dtensor_moe.parallel import DenseNames, parallelize_dense
 
 VOCAB = 32
 DIM = 16
@@ -65,33 +66,19 @@ def global_batch(step: int, batch: int, seq_len: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq_len + 1), generator=gen)
 
 
-def tensor_parallel_dense(model: TinyMoELM, tp_mesh, *, sequence_parallel: bool) -> None:
-    """Megatron-style TP (+ SP) of the dense layers with torch's own styles."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+# The tiny model's names for dtensor_moe.parallel.parallelize_dense: its MLP stands in for the
+# attention, so ``up`` is the column-wise and ``down`` the row-wise projection, and ``up``
+# all-gathers its own input under sequence parallelism (nothing in ``gathered``).
+DENSE_NAMES = DenseNames(
+    embedding="embed",
+    gathered=(),
+    colwise=("up",),
+    rowwise=("down",),
+    norms=("norm1", "norm2"),
+    output="head",
+)
 
-    act = Shard(1) if sequence_parallel else Replicate()
-    # With SP the residual stream stays a Shard(1) DTensor (use_local_output=False), so the
-    # MoE output (same layout as its input) adds to it directly.
-    plan = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=act,
-                                 use_local_output=not sequence_parallel),
-        "head": ColwiseParallel(input_layouts=act, output_layouts=Replicate()),
-    }
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, plan)
-    for block in model.layers:
-        block_plan = {
-            "up": ColwiseParallel(input_layouts=act),
-            "down": RowwiseParallel(output_layouts=act, use_local_output=not sequence_parallel),
-        }
-        if sequence_parallel:
-            block_plan["norm1"] = SequenceParallel()
-            block_plan["norm2"] = SequenceParallel()
-        parallelize_module(block, tp_mesh, block_plan)
+
+def tensor_parallel_dense(model: TinyMoELM, tp_mesh, *, sequence_parallel: bool) -> None:
+    """Megatron-style TP (+ SP) of the dense layers: the package's dense plan."""
+    parallelize_dense(model, tp_mesh, sequence_parallel=sequence_parallel, names=DENSE_NAMES)

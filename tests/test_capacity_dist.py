@@ -16,6 +16,7 @@ ranks, equal the reference's.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,15 @@ from tests import (
     test_parallel_compile,  # its helpers; not its test class (collected twice)
 )
 from tests._dist import DistTestBase
-from tests.test_parallel_moe import D, LAYOUTS, Case, ParallelRun, make_config, run_steps
+from tests.test_parallel_moe import (
+    D,
+    LAYOUTS,
+    Case,
+    ParallelRun,
+    close,
+    make_config,
+    run_steps,
+)
 
 CAPACITY = dict(capacity_factor=0.5)  # C = ceil(0.5 * B * L * K / E): many drops
 
@@ -128,6 +137,21 @@ class CapacityParityTest(DistTestBase):
                     LAYOUTS[name], case, self.rank, overlap=overlap, **CAPACITY, **options
                 )
                 run_steps(run, f"{name} {case} {options} overlap={overlap}")
+
+    @with_comms
+    def test_capacity_under_tp_and_sp_raises_no_future_warning(self):
+        """The routing-table all-gather of a capacity under tp uses the current
+        functional-collective API: a training step under SP and under TP runs with torch's
+        FutureWarnings (deprecated collectives) turned into errors, and matches one device."""
+        for name in ("sp2ep2", "tp2ep2"):
+            run = ShardwiseRun(LAYOUTS[name], Case(2, 7, 2, 0), self.rank, **CAPACITY)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FutureWarning)
+
+                def check(actual, expected, what, name=name):
+                    close(actual, expected, f"{name} under FutureWarning=error: {what}")
+
+                run.step(check)
 
     @with_comms
     def test_fixed_capacity_with_different_batches_per_rank(self):

@@ -10,12 +10,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
 import dtensor_moe
 from dtensor_moe import MoE, MoEConfig
-from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
+from dtensor_moe.parallel import ExpertParallel, build_moe_meshes, parallelize_moe
 from dtensor_moe.parallel.fsdp import expert_shard_dim, fully_shard_moe
 from tests._dist import DistTestBase
 from tests._moe_layouts import PARITY_LAYOUTS, build_layout, local_rows
@@ -274,6 +275,27 @@ class FSDPMoETest(DistTestBase):
         fully_shard_moe(model, meshes)
         with self.assertRaisesRegex(ValueError, "already sharded with fully_shard"):
             fully_shard_moe(model, meshes)
+
+    @with_comms
+    def test_fsdp_before_the_parallel_styles_says_the_order(self):
+        """FSDP2 first, then the styles: the error says to call parallelize_moe first, before
+        any collective; applied by hand, the expert style says the same."""
+        meshes = build_moe_meshes(dp=2, ep=2, tp=2)
+        model = fully_shard_moe(make_model(), meshes)
+        with CommDebugMode() as comm, self.assertRaisesRegex(
+            ValueError,
+            r"parallelize_moe: the model is already sharded with fully_shard \(FSDP2\) \(modules "
+            r"\['<root>', 'layers\.0\.moe\.experts', 'layers\.1\.moe\.experts'\]\)\. Call "
+            r"parallelize_moe \(and parallelize_dense\) first, then fully_shard_moe",
+        ):
+            parallelize_moe(model, meshes, sequence_parallel=True)
+        self.assertEqual(comm.get_total_counts(), 0)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"ExpertParallel: FSDPGroupedExperts is already sharded with fully_shard \(FSDP2\); "
+            r"apply the parallel styles first \(parallelize_moe\), then fully_shard_moe",
+        ):
+            parallelize_module(model.layers[0].moe.experts, meshes.expert["ep"], ExpertParallel())
 
     def _assert_untouched(self, model):
         """The check ran before the first fully_shard call: nothing was sharded."""

@@ -1,4 +1,4 @@
-"""The parallel layouts compose around the layer's own forward (issue 15, point 1).
+"""The parallel layouts compose around the layer's own forward.
 
 Under every layout (EP, expert TP with both dispatches, EP x TP, SP with an uneven sequence
 length), on 4 gloo ranks against the single-device layer (Note [One forward] in

@@ -11,7 +11,7 @@ reference loss is ``sum(y * G) / dp`` plus its collected auxiliary loss (which i
 the shards' ones), a rank's loss is ``sum(y_d * G_d)`` plus what its forward collected, and a
 rank's gradient, summed over the documented groups, is divided by ``dp``.
 
-Matrix (issue 4): layouts x B in {1, 2} x L in {8 (divisible), 7 (not divisible), 1 (fewer
+Matrix: layouts x B in {1, 2} x L in {8 (divisible), 7 (not divisible), 1 (fewer
 tokens than ranks: a tp rank with zero tokens)} x top_k in {1, 2} x shared experts {0, 1}.
 The CI subset, ``CI_CASES``, runs three cases per layout that together take every value of
 every axis; ``DTENSOR_MOE_FULL_MATRIX=1`` runs the whole product.

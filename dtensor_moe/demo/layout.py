@@ -6,9 +6,11 @@ Note [Demo layout]
 distributed one, in three steps that only use public PyTorch and dtensor_moe APIs:
 
 1. **Tensor (and sequence) parallelism of the dense layers** on ``meshes.dense["tp"]`` with
-   torch's own styles. With sequence parallelism the residual stream between blocks is a
-   ``Shard(1)`` DTensor (uneven when ``L`` is not a multiple of ``tp``: DTensor pads the
-   collectives itself); without it, it is a plain tensor, the same on every tp rank.
+   :func:`dtensor_moe.parallelize_dense`, whose default names are this model's. With sequence
+   parallelism the residual stream between blocks is a ``Shard(1)`` DTensor (uneven when ``L``
+   is not a multiple of ``tp``: DTensor pads the collectives itself); without it, it is a plain
+   tensor, the same on every tp rank (Note [Dense plan and the residual stream] in
+   ``dtensor_moe/parallel/dense.py``).
 
    ===========================  =========================================================
    module                       style
@@ -44,17 +46,8 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
-from dtensor_moe import MoEMeshes, fully_shard_moe, parallelize_moe
+from dtensor_moe import MoEMeshes, fully_shard_moe, parallelize_dense, parallelize_moe
 from dtensor_moe.demo.model import MoETransformer
 
 __all__ = ["apply_layout", "describe_layout"]
@@ -63,49 +56,16 @@ __all__ = ["apply_layout", "describe_layout"]
 def apply_layout(model: MoETransformer, meshes: MoEMeshes, *, sequence_parallel: bool) -> None:
     """Shard ``model`` in place for ``meshes``; see Note [Demo layout].
 
-    Collectives: the MoE styles check that the config agrees across ranks
-    (``all_gather_object``); everything else communicates from the first forward on.
+    Collectives: torch's and the MoE styles scatter or broadcast each weight from the first
+    rank of its mesh, and the MoE styles check that the config agrees across ranks (an object
+    all-gather); everything else communicates from the first forward on.
     """
     sp = sequence_parallel and meshes.tp > 1
     if meshes.tp > 1:
-        parallelize_module(model, meshes.dense["tp"], _tensor_parallel_plan(model, sp))
+        parallelize_dense(model, meshes.dense["tp"], sequence_parallel=sp)
     if meshes.tp > 1 or meshes.ep > 1:
         parallelize_moe(model, meshes, sequence_parallel=sp)
     fully_shard_moe(model, meshes, blocks=model.layers)
-
-
-def _tensor_parallel_plan(model: MoETransformer, sp: bool) -> dict[str, ParallelStyle]:
-    """Step 1 of Note [Demo layout] as one ``parallelize_module`` plan."""
-    seq = Shard(1) if sp else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=seq, use_local_output=not sp
-        ),
-        "output": ColwiseParallel(
-            input_layouts=seq, output_layouts=Replicate(), use_local_output=True
-        ),
-    }
-    if sp:
-        plan["norm"] = SequenceParallel()
-    for i in range(len(model.layers)):
-        prefix = f"layers.{i}."
-        plan.update(
-            {
-                prefix + "attention.wq": ColwiseParallel(),
-                prefix + "attention.wk": ColwiseParallel(),
-                prefix + "attention.wv": ColwiseParallel(),
-                prefix + "attention.wo": RowwiseParallel(
-                    output_layouts=seq, use_local_output=not sp
-                ),
-            }
-        )
-        if sp:
-            plan[prefix + "attention_norm"] = SequenceParallel()
-            plan[prefix + "moe_norm"] = SequenceParallel()
-            plan[prefix + "attention"] = PrepareModuleInput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),)
-            )
-    return plan
 
 
 _PARAM_KINDS = (  # (name fragment, what to call it), first match wins

@@ -1,8 +1,9 @@
-"""Parallel layouts of the MoE layer: device meshes, virtual-padding metadata, styles.
+"""Parallel layouts of an MoE model: device meshes, the dense and MoE plans, styles, padding.
 
 See ``docs/parallelism.md``.
 """
 
+from dtensor_moe.parallel.dense import DenseNames, dense_tp_plan, parallelize_dense
 from dtensor_moe.parallel.dispatch import AllToAllMetadata, AllToAllTokenDispatcher
 from dtensor_moe.parallel.fsdp import expert_shard_dim, fully_shard_moe
 from dtensor_moe.parallel.mesh import MoEMeshes, build_moe_meshes
@@ -14,6 +15,7 @@ from dtensor_moe.parallel.token_parallel import TokenParallel, TokenSplit
 __all__ = [
     "AllToAllMetadata",
     "AllToAllTokenDispatcher",
+    "DenseNames",
     "ExpertParallel",
     "ExpertTensorParallel",
     "MoEMeshes",
@@ -23,7 +25,9 @@ __all__ = [
     "TokenSplit",
     "TokenShardMeta",
     "build_moe_meshes",
+    "dense_tp_plan",
     "expert_shard_dim",
     "fully_shard_moe",
+    "parallelize_dense",
     "parallelize_moe",
 ]

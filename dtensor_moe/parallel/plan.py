@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -66,7 +67,9 @@ def parallelize_moe(
 
     Raises:
         TypeError: ``meshes`` is not an :class:`MoEMeshes`.
-        ValueError: ``model`` holds no MoE layer, or a style rejects a layer (see the styles).
+        ValueError: ``model`` holds no MoE layer, a module of it is already sharded with
+            ``fully_shard`` (call ``parallelize_moe`` first, then ``fully_shard_moe``), or a
+            style rejects a layer (see the styles).
     """
     if not isinstance(meshes, MoEMeshes):
         raise TypeError(
@@ -75,6 +78,13 @@ def parallelize_moe(
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError(f"parallelize_moe found no MoE layer in {type(model).__name__}")
+    sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise ValueError(
+            f"parallelize_moe: the model is already sharded with fully_shard (FSDP2) (modules "
+            f"{sharded[:3]}{' ...' if len(sharded) > 3 else ''}). Call "
+            "parallelize_moe (and parallelize_dense) first, then fully_shard_moe"
+        )
     global_batch_routers = _unset_global_batch_routers(layers, meshes)  # before any collective
     expert_tp = meshes.expert_tp and meshes.tp > 1
     gather = expert_tp and expert_tp_dispatch == "gather"

@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeAlias
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -101,6 +102,11 @@ def _check_module(module: nn.Module, cls: type, style: str) -> None:
         raise TypeError(
             f"{style} applies to a {cls.__name__} (for example the 'experts' child of an MoE), "
             f"got {type(module).__name__}"
+        )
+    if isinstance(module, FSDPModule):
+        raise ValueError(
+            f"{style}: {type(module).__name__} is already sharded with fully_shard (FSDP2); "
+            "apply the parallel styles first (parallelize_moe), then fully_shard_moe"
         )
     already = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
     if already:

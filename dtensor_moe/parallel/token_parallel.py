@@ -162,7 +162,7 @@ class TokenSplit(RoutedTokens):
         table_TC = torch.cat((ids_TK.to(torch.float64), scores_TK.detach().to(torch.float64)), 1)
         padded_TC = table_TC.new_zeros(max(rows), 2 * K)
         padded_TC[: table_TC.shape[0]] = table_TC
-        gathered = funcol.wait_tensor(funcol.all_gather_tensor(padded_TC, 0, self.mesh))
+        gathered = funcol.wait_tensor(funcol.all_gather_single(padded_TC, 0, self.mesh))
         parts = [gathered[r * max(rows) : r * max(rows) + n] for r, n in enumerate(rows)]
         batch_bC = table_TC.new_empty(sum(rows), 2 * K)
         batch_bC[torch.cat(index)] = torch.cat(parts)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -120,10 +122,15 @@ def _resolve(flags: list[str], world: int = 4):
         (["--tp", "3"], 4, r"--tp 3 does not divide the 4 processes"),
         (["--heads", "6", "--dim", "48", "--tp", "4"], 4, r"--heads 6 is not divisible by --tp 4"),
         (["--experts", "6", "--ep", "4"], 4, r"--experts 6 is not divisible by --ep 4"),
-        (["--ep", "8"], 4, r"--ep 8 with --tp 2: EP borrows the tp ranks, .* --ep in \{2, 4\}"),
+        (["--ep", "8"], 4, r"--ep 8 with --tp 2: EP borrows the tp ranks, .* --ep in \{1, 2, 4\}$"),
         (["--ep", "4", "--expert-tp"], 4, r"--ep 4 does not divide --dp 2; with --expert-tp"),
         (["--tp", "1", "--ep", "8"], 4, r"--ep 8 does not divide --dp 4; with --tp 1"),
         (["--ep", "1", "--hidden", "63"], 4, r"--hidden 63 is not divisible by --tp 2"),
+        (
+            ["--experts", "3", "--hidden", "63", "--expert-tp"],
+            4,
+            r"no --ep works with the other flags as given; change --experts, --hidden or --dim$",
+        ),
         (["--batch", "3"], 4, r"--batch 3 is not divisible by --dp 2"),
         (["--vocab", "63"], 4, r"--vocab 63 is not divisible by --tp 2"),
         (["--dim", "36", "--heads", "4"], 4, r"--dim 36 must be an even multiple of --heads 4"),
@@ -134,6 +141,57 @@ def _resolve(flags: list[str], world: int = 4):
 def test_invalid_flags_messages(flags, world, message):
     with pytest.raises(LayoutError, match=message):
         _resolve(flags, world)
+
+
+def test_ep_suggestion_for_six_experts():
+    # 6 experts on dp2 x tp2: ep 3 and 6 divide the experts but not the mesh, so only 1 and 2
+    with pytest.raises(LayoutError) as err:
+        _resolve(["--experts", "6", "--ep", "4"])
+    assert str(err.value) == (
+        "--experts 6 is not divisible by --ep 4; each ep rank holds experts / ep experts; "
+        "choose --ep in {1, 2}"
+    )
+    for ep in ("1", "2"):
+        assert _resolve(["--experts", "6", "--ep", ep]).ep == int(ep)
+
+
+def _ep_fixes(message: str) -> tuple[list[int], list[str]]:
+    """The ``--ep`` values and the ``--expert-tp`` flags a rejection message suggests."""
+    listed = re.search(r"choose --ep in \{([\d, ]+)\}", message)
+    eps = [int(e) for e in listed.group(1).split(", ")] if listed else []
+    return eps, re.findall(r"add (--(?:no-)?expert-tp) with --ep (\d+)", message)
+
+
+@pytest.mark.parametrize("world_tp", [(4, 1), (4, 2), (4, 4), (8, 2)])
+def test_suggested_ep_values_are_exactly_the_working_ones(world_tp):
+    # Every --ep a rejection suggests resolves, and every other --ep up to the world fails;
+    # over expert counts, --expert-tp settings and widths that hit each rule.
+    world, tp = world_tp
+    rejected = 0
+    for experts, ep, expert_tp, hidden in itertools.product(
+        (1, 2, 3, 4, 6, 8, 12), range(1, world + 3), (None, "--expert-tp", "--no-expert-tp"),
+        (64, 63, 36),
+    ):
+        base = ["--tp", str(tp), "--experts", str(experts), "--top-k", "1", "--hidden", str(hidden)]
+        base += [expert_tp] if expert_tp else []
+        try:
+            _resolve([*base, "--ep", str(ep)], world)
+            continue
+        except LayoutError as err:
+            message = str(err)
+        rejected += 1
+        eps, toggles = _ep_fixes(message)
+        assert eps or toggles or "no --ep works" in message, message
+        for other in range(1, world + 1):
+            if other in eps:
+                assert _resolve([*base, "--ep", str(other)], world).ep == other, message
+            else:
+                with pytest.raises(LayoutError):
+                    _resolve([*base, "--ep", str(other)], world)
+        for flag, value in toggles:
+            plain = [f for f in base if f not in ("--expert-tp", "--no-expert-tp")]
+            assert _resolve([*plain, flag, "--ep", value], world).ep == int(value), message
+    assert rejected > 50
 
 
 def test_defaults():
@@ -201,3 +259,27 @@ def test_parity_fails_when_routing_diverges():
     first, line = _parity([4.0, 3.0, 2.0, 1.5], [0.25, 0.5, 0.25, 0.75])
     assert first.compared_steps == 0 and not first.parity_ok, first
     assert "only 0 of the 4 steps" in line and "nothing to compare -> FAILED" in line, line
+
+
+def test_load_chart_marks_the_ideal_share():
+    # The per-expert chart draws 1/E on its color bar and names it in the legend; the colors
+    # are centred on it (white = the ideal share).
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dtensor_moe.demo.report import _plot_load
+
+    config = _resolve(["--experts", "2", "--top-k", "1", "--steps", "4"])
+    fig, ax = plt.subplots()
+    try:
+        line = _plot_load(fig, ax, _records([4.0, 3.0, 2.0, 1.5], [0.5, 0.7, 0.2, 0.6]), config)
+        assert list(line.get_ydata()) == [0.5, 0.5]
+        labels = [text.get_text() for text in ax.get_legend().get_texts()]
+        assert labels == ["ideal share 1/E = 1/2 = 0.5 (color bar)"] == [line.get_label()]
+        norm = ax.images[0].norm
+        assert (norm.vmin, norm.vmax) == pytest.approx((0.2, 0.8))  # 0.5 -/+ the largest gap
+    finally:
+        plt.close(fig)

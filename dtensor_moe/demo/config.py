@@ -261,39 +261,82 @@ def _check_model(args: argparse.Namespace, dp: int, tp: int) -> None:
         _fail(f"--top-k {args.top_k} exceeds --experts {args.experts}")
 
 
-def _resolve_experts(args: argparse.Namespace, dp: int, tp: int, hidden: int) -> tuple[int, bool]:
-    """``(ep, expert_tp)``, checked against the expert mesh (Note [MoE meshes] in
-    ``dtensor_moe/parallel/mesh.py``) and FSDP2's expert sharding."""
+def _expert_tp_for(args: argparse.Namespace, ep: int, tp: int) -> bool:
+    """``--expert-tp`` as given, else its default for ``ep``: on only when ep is 1 and tp > 1."""
+    return args.expert_tp if args.expert_tp is not None else (ep == 1 and tp > 1)
+
+
+def _expert_problem(
+    args: argparse.Namespace, ep: int, expert_tp: bool, dp: int, tp: int, hidden: int
+) -> str | None:
+    """Why ``--ep ep`` (with ``expert_tp``) cannot run with the other flags, or ``None``.
+
+    The rules are those of the expert mesh (Note [MoE meshes] in
+    ``dtensor_moe/parallel/mesh.py``) and of FSDP2's expert sharding (``fully_shard_moe``).
+    """
     world = dp * tp
-    ep = args.ep if args.ep is not None else (tp if args.experts % tp == 0 else 1)
-    expert_tp = args.expert_tp if args.expert_tp is not None else (ep == 1 and tp > 1)
     if args.experts % ep != 0:
-        _fail(
+        return (
             f"--experts {args.experts} is not divisible by --ep {ep}; each ep rank holds "
-            f"experts / ep experts (choose --ep in {{{_divisors(args.experts)}}})"
+            "experts / ep experts"
         )
     if (expert_tp or tp == 1) and dp % ep != 0:
         where = "with --expert-tp" if tp > 1 else "with --tp 1"
-        _fail(
+        return (
             f"--ep {ep} does not divide --dp {dp}; {where} the experts are split over "
-            f"data-parallel ranks, so choose --ep in {{{_divisors(dp)}}}"
+            "data-parallel ranks"
         )
     if not expert_tp and tp > 1 and (ep % tp != 0 or world % ep != 0):
-        eps = [e for e in range(tp, world + 1, tp) if world % e == 0]
-        _fail(
+        return (
             f"--ep {ep} with --tp {tp}: EP borrows the tp ranks, so ep must be a multiple of tp "
-            f"that divides the {world} processes; choose --ep in {{{', '.join(map(str, eps))}}} "
-            "or add --expert-tp"
+            f"that divides the {world} processes"
         )
     etp = tp if expert_tp else 1
-    if expert_tp and hidden % etp != 0:
-        _fail(f"--hidden {hidden} is not divisible by --tp {tp}, which --expert-tp splits it over")
+    if hidden % etp != 0:
+        return f"--hidden {hidden} is not divisible by --tp {tp}, which --expert-tp splits it over"
     edp = world // (ep * etp)
     if (args.experts // ep) % edp != 0 and (hidden % edp != 0 or args.dim % edp != 0):
-        _fail(
+        return (
             f"FSDP2 splits the {args.experts // ep} experts per ep rank over edp={edp} ranks "
             f"by hidden unit, which needs --hidden {hidden} and --dim {args.dim} divisible by {edp}"
         )
+    return None
+
+
+def working_eps(args: argparse.Namespace, dp: int, tp: int, hidden: int) -> list[int]:
+    """Every ``--ep`` that passes :func:`_expert_problem` with the other flags as given.
+
+    ``--expert-tp`` keeps its value when it was given, and takes its default for each
+    candidate otherwise; ep never exceeds the process count, so the search is complete.
+    """
+    return [
+        ep
+        for ep in range(1, dp * tp + 1)
+        if _expert_problem(args, ep, _expert_tp_for(args, ep, tp), dp, tp, hidden) is None
+    ]
+
+
+def _ep_fix(args: argparse.Namespace, ep: int, dp: int, tp: int, hidden: int) -> str:
+    """The fix for a rejected ``--ep``: the values that work, and ``--expert-tp`` if it helps."""
+    fixes = []
+    eps = working_eps(args, dp, tp, hidden)
+    if eps:
+        fixes.append(f"choose --ep in {{{', '.join(map(str, eps))}}}")
+    expert_tp = _expert_tp_for(args, ep, tp)
+    if tp > 1 and _expert_problem(args, ep, not expert_tp, dp, tp, hidden) is None:
+        fixes.append(f"add --{'no-' if expert_tp else ''}expert-tp with --ep {ep}")
+    if not fixes:
+        return "no --ep works with the other flags as given; change --experts, --hidden or --dim"
+    return " or ".join(fixes)
+
+
+def _resolve_experts(args: argparse.Namespace, dp: int, tp: int, hidden: int) -> tuple[int, bool]:
+    """``(ep, expert_tp)``; a rejected ep names the values that work (:func:`working_eps`)."""
+    ep = args.ep if args.ep is not None else (tp if args.experts % tp == 0 else 1)
+    expert_tp = _expert_tp_for(args, ep, tp)
+    problem = _expert_problem(args, ep, expert_tp, dp, tp, hidden)
+    if problem is not None:
+        _fail(f"{problem}; {_ep_fix(args, ep, dp, tp, hidden)}")
     return ep, expert_tp
 
 

@@ -17,10 +17,14 @@ balancing switched the other way; rank 0 gathers both and reports.
 At the end, every rank waits at a barrier before destroying its process groups, as torch's own
 distributed test base does before its teardown. Without it, the other ranks leave as soon as
 their part of the final gather is done, while rank 0 is still reporting, and tear their gloo
-connections down under it. Once, in a full test run, the torchrun demo ended that way with
-one such rank aborting at teardown (SIGABRT, "terminate called without an active exception")
-after a correct run; it did not recur in 18 reruns, so no test pins it. The barrier costs one collective. On an error a rank skips it and destroys its
-groups at once; the launcher (torchrun, or ``torch.multiprocessing``) then stops the others.
+connections down under it; a rank can then abort at teardown (SIGABRT, "terminate called
+without an active exception") after a correct run. The barrier costs one collective. On an
+error a rank skips it and destroys its groups at once; the launcher (torchrun, or
+``torch.multiprocessing``) then stops the others.
+
+Rank 0 (the global rank) prints the progress and the summary and writes ``--out``, on its own
+node and relative to its working directory. Under torchrun's c10d rendezvous that may be any
+node (ranks follow arrival order); a static rendezvous makes it ``--node-rank 0``.
 """
 
 from __future__ import annotations
@@ -134,8 +138,9 @@ def _worker(rank: int, config: DemoConfig, start: float, port: int, exit_code) -
 def run_rank(config: DemoConfig, start: float) -> int:
     """The body of one rank (process group from the environment); see Note [Demo launch]."""
     torch.set_num_threads(1)
-    # The LM head returns a view of its DTensor output; the training loop never writes to the
-    # logits in place, which is the case this FSDP2 warning is about.
+    # The LM head's ColwiseParallel(use_local_output=True) returns DTensor.to_local(), a view,
+    # and FSDP2 warns when its root returns a view: an in-place op on the logits would skip
+    # FSDP2's pre-backward hook. The training step only reads them (cross-entropy).
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     dist.init_process_group("gloo")
     try:

@@ -237,7 +237,7 @@ def _plot(
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [1, 1, 1.4]})
     _plot_loss(axes[0], runs, summary, config)
     _plot_imbalance(axes[1], runs, config)
-    fig.colorbar(_plot_load(axes[2], runs["distributed"], config), ax=axes[2])
+    _plot_load(fig, axes[2], runs["distributed"], config)
     fig.tight_layout()
     path = os.path.join(out_dir, "training.png")
     fig.savefig(path, dpi=100)
@@ -266,20 +266,37 @@ def _plot_imbalance(ax, runs: dict[str, list[StepRecord]], config: DemoConfig) -
     ax.legend()
 
 
-def _plot_load(ax, records: list[StepRecord], config: DemoConfig):
-    """Heatmap: one row per (layer, expert), one column per step; white lines between layers."""
+def _plot_load(fig, ax, records: list[StepRecord], config: DemoConfig):
+    """Heatmap: one row per (layer, expert), one column per step; black lines between layers.
+
+    The colors diverge from the ideal share ``1/E`` (white): red experts get more than their
+    share, blue ones less. The color bar marks ``1/E`` with a black line, named in the legend.
+    Returns that line.
+    """
+    from matplotlib.colors import Normalize
+    from matplotlib.lines import Line2D
+
     rows = [[share for layer in r.expert_load for share in layer] for r in records]
     experts, n_rows = config.model.moe.num_experts, len(rows[0])
+    ideal = 1.0 / experts
+    spread = max(max(abs(share - ideal) for row in rows for share in row), 1e-3 * ideal)
     image = ax.imshow(
         list(map(list, zip(*rows, strict=True))),
         aspect="auto",
         interpolation="nearest",
         extent=(0.5, len(rows) + 0.5, n_rows - 0.5, -0.5),
+        cmap="RdBu_r",
+        norm=Normalize(vmin=ideal - spread, vmax=ideal + spread),
     )
     for boundary in range(experts, n_rows, experts):
-        ax.axhline(boundary - 0.5, color="white", lw=2)
+        ax.axhline(boundary - 0.5, color="black", lw=2)
     centers = [layer * experts + (experts - 1) / 2 for layer in range(n_rows // experts)]
     ax.set_yticks(centers, [f"layer {i}\n{experts} experts" for i in range(len(centers))])
     bias = "on" if config.balance else "off"
     ax.set(xlabel="step", title=f"share of routed tokens per expert (expert bias {bias})")
-    return image
+    colorbar = fig.colorbar(image, ax=ax, label="share of the routed tokens")
+    label = f"ideal share 1/E = 1/{experts} = {ideal:.3g} (color bar)"
+    line = colorbar.ax.axhline(ideal, color="black", lw=2, label=label)
+    handle = Line2D([], [], color="black", lw=2, label=label)
+    ax.legend(handles=[handle], loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    return line

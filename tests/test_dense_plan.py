@@ -53,8 +53,9 @@ class DocumentedDensePlanTest(DistTestBase):
         for sp in (True, False):
             namespace: dict = {}
             code = source.replace("sp = True", f"sp = {sp}", 1)
-            # the test harness made the process group already
-            with mock.patch.object(dist, "init_process_group"):
+            # the test harness makes and destroys the process group
+            with mock.patch.object(dist, "init_process_group"), \
+                    mock.patch.object(dist, "destroy_process_group"):
                 exec(compile(code, f"{TRAINING_MD}:dense-plan", "exec"), namespace)
             self._check_against_one_process(namespace, f"sequence_parallel={sp}")
 

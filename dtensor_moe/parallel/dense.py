@@ -205,11 +205,11 @@ def parallelize_dense(
 
     Returns:
         ``model``. Collectives when applied: torch's styles scatter (or broadcast) each weight
-        from the first rank of ``tp_mesh`` (``distribute_tensor``). In forward, per block: an all-gather of the attention
-        input and a reduce-scatter of its output under sequence parallelism, or one
-        all-reduce of the attention output without it; and at the ends the embedding's
-        reduce-scatter (all-reduce) and the head's all-gather of the logits. Backward runs the
-        mirror collectives.
+        from the first rank of ``tp_mesh`` (``distribute_tensor``). In forward, per block: an
+        all-gather of the attention input and a reduce-scatter of its output under sequence
+        parallelism, or one all-reduce of the attention output without it; and at the ends the
+        embedding's reduce-scatter (all-reduce) and the head's all-gather of the logits.
+        Backward runs the mirror collectives.
 
     Example::
 

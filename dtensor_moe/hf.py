@@ -39,6 +39,13 @@ GLM4-MoE       picks the experts (group-    ``n_shared_experts * moe_intermediat
                ``routed_scaling_factor``
 =============  ===========================  ================================================
 
+The DeepSeek-V3-style routers (and Lara-Mini's softmax router) compute their logits as
+``F.linear(x.float(), weight.float())`` whatever the model's dtype; their layers get
+``router_dtype=torch.float32``, so a bf16 model (after ``model.to(torch.bfloat16)``, or under
+FSDP2 bf16 mixed precision) routes as HF's does. The other routers compute in the gate weight's
+dtype: ``router_dtype=None``. A caller may set ``router_dtype`` (for example float32 routing
+for a softmax family trained in bf16); the routing then differs from HF's in bf16.
+
 The other families of ``_FAMILIES`` (Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3.2, Kimi-Linear, ...;
 ``docs/hf.md`` lists them) follow one of these two routing patterns, with or without a shared
 MLP and its sigmoid gate. A family is matched by its block's exact class, by module and class
@@ -100,6 +107,7 @@ class _Family:
     shared: str | None  # attribute of the shared MLP on the block
     shared_gate: str | None  # attribute of the shared MLP's sigmoid gate (Qwen2-MoE)
     always_normalised: bool = False  # Mixtral's router renormalises without a flag
+    float32_router: bool = False  # the HF router computes its logits in float32
 
     def matches(self, module: nn.Module) -> bool:
         """Whether ``module`` is exactly this family's block class (no subclass): compared by
@@ -111,19 +119,22 @@ class _Family:
 
 
 def _softmax(name: str, model: str, block: str, *, shared: str | None = None,
-             shared_gate: str | None = None, always_normalised: bool = False) -> _Family:
+             shared_gate: str | None = None, always_normalised: bool = False,
+             float32_router: bool = False) -> _Family:
     """A family routed like Mixtral/Qwen: softmax, top-k, renormalised per ``norm_topk_prob``
-    (or always, for routers without that flag)."""
+    (or always, for routers without that flag); logits in the gate weight's dtype, or in
+    float32 with ``float32_router``."""
     return _Family(name, f"transformers.models.{model}.modeling_{model}", block,
                    grouped_sigmoid=False, shared=shared, shared_gate=shared_gate,
-                   always_normalised=always_normalised)
+                   always_normalised=always_normalised, float32_router=float32_router)
 
 
 def _sigmoid(name: str, model: str, block: str, *, shared: str | None = "shared_experts"
              ) -> _Family:
-    """A family routed like DeepSeek-V3: sigmoid, correction bias, group-limited, scaled."""
+    """A family routed like DeepSeek-V3: sigmoid, correction bias, group-limited, scaled, with
+    the logits computed in float32 (``F.linear(x.float(), weight.float())`` in HF)."""
     return _Family(name, f"transformers.models.{model}.modeling_{model}", block,
-                   grouped_sigmoid=True, shared=shared, shared_gate=None)
+                   grouped_sigmoid=True, shared=shared, shared_gate=None, float32_router=True)
 
 
 # Every family here is checked by tests/test_hf.py on a tiny random model (transformers 5.24).
@@ -149,7 +160,8 @@ _FAMILIES = (
     _softmax("MiniMax", "minimax", "MiniMaxSparseMoeBlock", always_normalised=True),
     _softmax("FlexOlmo", "flex_olmo", "FlexOlmoSparseMoeBlock"),
     _softmax("Mellum", "mellum", "MellumSparseMoeBlock"),
-    _softmax("Lara-Mini", "lara_mini", "LaraMiniSparseMoeBlock", shared="shared_expert"),
+    _softmax("Lara-Mini", "lara_mini", "LaraMiniSparseMoeBlock", shared="shared_expert",
+             float32_router=True),
     _sigmoid("DeepSeek-V3.2", "deepseek_v32", "DeepseekV32MoE"),
     _sigmoid("dots1", "dots1", "Dots1MoE"),
     _sigmoid("dots3-note", "dots3_note", "Dots3NoteTextMoE"),
@@ -245,6 +257,8 @@ def _config_of(family: _Family, block: nn.Module) -> MoEConfig:
             family, f"has gate_up_proj of shape {tuple(experts.gate_up_proj.shape)}, not "
             f"(E, 2H, D) = {(num_experts, 2 * hidden, dim)}", "check the checkpoint")
     fields: dict = dict(dim=dim, hidden_dim=hidden, num_experts=num_experts, top_k=router.top_k)
+    if family.float32_router:
+        fields["router_dtype"] = torch.float32
     if family.always_normalised:
         fields["route_norm"] = True
     elif isinstance(getattr(router, "norm_topk_prob", None), bool):
@@ -312,9 +326,11 @@ def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
     cast), so a block on the ``meta`` device converts in no time and allocates nothing (build a
     large model on ``meta``, convert, parallelize, then ``to_empty`` and load). No global
     default of torch changes. It has the block's training mode; the router
-    gate keeps the HF gate's dtype and the correction bias stays float32 (a bf16 DeepSeek-V3
-    keeps both in float32 and routes in float32, and so does the converted layer). It shares no
-    storage with the block. Its ``hf_source`` records the family (used by :func:`to_hf_state_dict`).
+    gate keeps the HF gate's dtype and the correction bias stays float32. The families whose HF
+    router computes its logits in float32 (DeepSeek-V3 style, Lara-Mini) get
+    ``router_dtype=torch.float32``, so the layer routes in float32 as HF's does, also after a
+    cast to bf16 (Note [HF block mapping]). It shares no storage with the block. Its
+    ``hf_source`` records the family (used by :func:`to_hf_state_dict`).
 
     Raises:
         TypeError: ``block`` is not one of :data:`SUPPORTED_BLOCKS`, or a setting is not a
@@ -334,8 +350,8 @@ def moe_from_hf(block: nn.Module, **settings: Any) -> MoE:
     if storage:
         moe.to(gate_up.dtype)
     H = config.hidden_dim
-    # The router keeps HF's gate dtype: DeepSeek-V3 and GLM4-MoE keep theirs in float32 in a
-    # bf16 model, and our router then computes its logits in float32 too, as theirs does.
+    # The router keeps HF's gate dtype; router_dtype (set above for the float32 routers) says
+    # in which dtype the logits are computed, whatever the gate's dtype becomes.
     weight = block.gate.weight
     moe.router.gate.weight = nn.Parameter(weight.detach().clone(), weight.requires_grad)
     moe.experts.w1.copy_(gate_up[:, :H])

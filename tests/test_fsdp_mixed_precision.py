@@ -6,7 +6,9 @@ import copy
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
@@ -87,6 +89,38 @@ class FSDPMixedPrecisionTest(DistTestBase):
                 )
             self.assertTrue(compute_dtypes)
             self.assertEqual(set(compute_dtypes), {torch.bfloat16}, name)
+
+
+class RouterDtypeUnderMixedPrecisionTest(DistTestBase):
+    WORLD_SIZE = 2
+
+    @with_comms
+    def test_router_dtype_under_bf16_param_dtype(self):
+        """Under ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` the gate weight reaches the
+        forward in bf16: ``router_dtype=torch.float32`` computes the logits from it in float32
+        (the same bits as ``F.linear`` in float32 on the bf16 values), ``None`` in bf16. The
+        gradient reaches the float32 sharded parameter."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        for router_dtype, want in ((torch.float32, torch.float32), (None, torch.bfloat16)):
+            torch.manual_seed(0)
+            moe = dtensor_moe.MoE(dtensor_moe.MoEConfig(
+                dim=16, hidden_dim=32, num_experts=8, top_k=2, init_std=0.5,
+                router_dtype=router_dtype))
+            w_bf16 = moe.router.gate.weight.detach().bfloat16()  # what the policy hands over
+            fully_shard(moe, mesh=mesh, mp_policy=MP)
+            seen = []
+            moe.router.gate.register_forward_hook(
+                lambda mod, args, out: seen.append((mod.weight.dtype, out.detach().clone())))
+            x = torch.randn(1, 64, 16, generator=torch.Generator().manual_seed(self.rank))
+            moe(x).float().pow(2).sum().backward()
+            weight_dtype, logits = seen[0]
+            self.assertEqual(weight_dtype, torch.bfloat16)
+            self.assertEqual(logits.dtype, want)
+            ref = F.linear(x.bfloat16().reshape(-1, 16).to(want), w_bf16.to(want))
+            self.assertTrue(torch.equal(logits, ref), router_dtype)
+            grad = moe.router.gate.weight.grad
+            self.assertEqual(grad.dtype, torch.float32)
+            self.assertGreater(float(_full(grad).norm()), 0.0)
 
 
 def _full(t):

@@ -434,3 +434,45 @@ def test_bf16_model_routes_like_hf(model_type):
     with torch.no_grad():
         got, want = model(ids).logits.float(), ref(ids).logits.float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("model_type", ALL)
+def test_router_dtype_follows_the_hf_router(model_type):
+    """``router_dtype`` is float32 exactly for the families whose HF router computes its
+    logits from ``x.float()`` / ``x.type(torch.float32)``, read from the router's source."""
+    import inspect
+
+    ref = hf_model(model_type)
+    for name in _blocks(ref):
+        block = ref.get_submodule(name)
+        source = inspect.getsource(type(block.gate).forward)
+        line = next(ln for ln in source.splitlines() if "router_logits = F.linear(" in ln)
+        in_float32 = ".float()" in line or "torch.float32" in line
+        want = torch.float32 if in_float32 else None
+        assert hf.moe_from_hf(block).config.router_dtype is want, (model_type, line)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_bf16_cast_routes_like_hf(model_type):
+    """Converted in float32, then both cast with ``.to(torch.bfloat16)``: the same experts for
+    every one of 4,096 tokens and outputs within bf16 rounding. HF's cast rounds its correction
+    bias to bf16 while ours keeps float32 values (Note [Expert bias keeps its dtype]), so ours
+    gets HF's rounded values; without ``router_dtype`` bf16 logits pick other experts."""
+    ref = hf_model(model_type)
+    (name,) = _blocks(ref)
+    block = ref.get_submodule(name)
+    moe, plain = hf.moe_from_hf(block), hf.moe_from_hf(block, router_dtype=None)
+    for module in (block, moe, plain):
+        module.to(torch.bfloat16)
+    with torch.no_grad():
+        for ours in (moe, plain):
+            ours.router.expert_bias.copy_(block.gate.e_score_correction_bias)
+    x = torch.randn(1, 4096, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        _, _, hf_ids = block.gate(x)
+        ids, plain_ids = moe.router(x[0]).topk_ids_TK, plain.router(x[0]).topk_ids_TK
+        want, got = block(x).float(), moe(x).float()
+    assert torch.equal(ids.sort(-1).values, hf_ids.sort(-1).values)
+    assert not torch.equal(plain_ids.sort(-1).values, hf_ids.sort(-1).values)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * scale)

@@ -19,7 +19,7 @@ without one.
   module state: each micro-batch opens its own, and two can be in flight. With
   ``aux_loss_mode="collect"`` (the default), a training forward whose loss needs a gradient and
   that finds no collector raises ``ValueError``.
-* **Attach** (``aux_loss_mode="attach"``, automatic, the behaviour before issue 15). ``y`` goes
+* **Attach** (``aux_loss_mode="attach"``, automatic). ``y`` goes
   through :class:`AuxLossBackward`, an identity whose backward hands ``1`` to the loss. Every
   backward pass through ``y`` adds ``d(aux)/d(router)`` with weight 1, whatever was done to the
   loss: it equals adding ``aux`` to the loss only for one ``L.backward()`` of an unscaled ``L``.
@@ -268,6 +268,7 @@ def update_expert_bias(
             )
         router.expert_bias.add_(delta_E.to(router.expert_bias.dtype))
         router.reset_counters()
+        router.forwards_since_bias_update = 0  # Note [Expert bias needs its update]
 
 
 def set_aux_loss_group(module: nn.Module, group: dist.ProcessGroup | None) -> None:

@@ -75,11 +75,16 @@ def expert_capacity(
 ) -> int:
     """``C = ceil(factor * num_tokens * top_k / num_experts)``, rounded up to ``multiple``.
 
-    Exact for the factors people use (the product is rounded to 9 decimals before the ceiling,
-    so that ``1.0 * 8 * 2 / 4`` is 4 and not 5 from a float error).
+    Exact for the factors people use: the product is rounded to 9 decimals before the ceiling,
+    so that ``1.1 * 10 * 1 / 11`` is 1 and not 2 from the binary ``1.1`` being a little above
+    1.1. A positive product below that rounding (a factor such as ``1e-12``) still gives 1, as
+    the ceiling does, never 0. Plain float arithmetic, which ``torch.compile`` traces.
     """
-    raw = round(factor * num_tokens * top_k / num_experts, 9)
-    return round_up(math.ceil(raw), multiple)
+    raw = factor * num_tokens * top_k / num_experts
+    per_expert = math.ceil(round(raw, 9))
+    if per_expert == 0 and raw > 0:  # rounded to 0, but ceil of a positive number is >= 1
+        per_expert = 1
+    return round_up(per_expert, multiple)
 
 
 def round_up(n: int, multiple: int) -> int:

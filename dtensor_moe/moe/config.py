@@ -6,6 +6,7 @@ is settled when the layer is built and never changes afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,6 +26,9 @@ _COMPUTE_PATHS = ("auto", "grouped_mm", "loop", "bmm")
 _AUX_LOSS_MODES = ("collect", "attach")
 _AUX_LOSS_TYPES = ("sequence", "global_batch")
 _DROP_POLICIES = ("probs", "position")
+# The float fields checked finite before any other check; ``capacity_factor``, the other one,
+# is checked (finite and positive, or None) with the capacity fields.
+_FLOAT_FIELDS = ("route_scale", "aux_loss_coeff", "z_loss_coeff", "init_std")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +43,15 @@ class MoEConfig:
         score_func: ``"softmax"`` or ``"sigmoid"`` over the router logits.
         route_norm: renormalise the ``K`` selected scores of a token to sum to 1.
         route_scale: constant factor applied to the selected scores (after ``route_norm``).
+        router_dtype: the dtype of the router's logits: the gate's input and weight are cast to
+            it (inside autograd, so the weight's gradient keeps the weight's dtype) and
+            ``torch.autocast`` does not apply to the gate. ``None`` (default): the gate weight's
+            dtype at the time of the forward (bf16 after ``model.to(torch.bfloat16)`` or under
+            an FSDP2 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``). ``torch.float32``
+            routes in float32 whatever the parameters' dtype, as DeepSeek-V3 and
+            Megatron-Core's ``moe_router_dtype`` do. A floating ``torch.dtype`` or its name
+            (``"float32"``, ``"torch.float32"``); a name is stored as the dtype. The scores
+            are computed from the logits in float32, or in ``router_dtype`` when it is wider.
         num_expert_groups: split the experts into this many equal groups for group-limited
             routing; ``None`` disables it.
         num_limited_groups: with ``num_expert_groups``, the number of groups each token may use.
@@ -96,6 +109,7 @@ class MoEConfig:
     score_func: ScoreFunc = "softmax"
     route_norm: bool = False
     route_scale: float = 1.0
+    router_dtype: torch.dtype | str | None = None
     num_expert_groups: int | None = None
     num_limited_groups: int | None = None
     score_before_experts: bool = False
@@ -118,6 +132,8 @@ class MoEConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        self._check_finite()
+        self._check_router_dtype()
         self._check_sizes()
         self._check_routing()
         self._check_groups()
@@ -134,6 +150,35 @@ class MoEConfig:
         """Hidden width of the fused shared-expert MLP (``num_shared_experts * shared hidden``)."""
         per_expert = self.hidden_dim if self.shared_hidden_dim is None else self.shared_hidden_dim
         return self.num_shared_experts * per_expert
+
+    def _check_finite(self) -> None:
+        """Every float field is a finite real number (or ``None`` where allowed): a ``nan``
+        coefficient would switch its loss off silently, an infinite one or an infinite
+        ``route_scale``/``init_std`` would give non-finite losses or outputs."""
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"MoEConfig.{name} must be a real number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"MoEConfig.{name} must be a finite number, got {value!r}; nan and inf "
+                    "are not accepted"
+                )
+
+    def _check_router_dtype(self) -> None:
+        value = self.router_dtype
+        if value is None:
+            return
+        dtype = value
+        if isinstance(value, str):
+            dtype = getattr(torch, value.removeprefix("torch."), None)
+        if dtype not in FACTORY_DTYPES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in FACTORY_DTYPES)
+            raise ValueError(
+                f"MoEConfig.router_dtype must be None or one of {names} (a torch.dtype or its "
+                f"name), got {value!r}"
+            )
+        object.__setattr__(self, "router_dtype", dtype)  # a name is stored as the dtype
 
     def _check_sizes(self) -> None:
         for name in ("dim", "hidden_dim", "num_experts", "top_k", "pad_multiple"):
@@ -263,6 +308,22 @@ class MoEConfig:
                 "MoEConfig.pad_to_capacity=True needs a capacity; set capacity_factor (for "
                 "example 1.25) or capacity_per_expert, or leave pad_to_capacity False"
             )
+
+
+def autocast_off(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """A context that turns ``torch.autocast`` off for ``t``'s device type where it is on, for
+    the parts of the layer that compute in a dtype of their own (the router in
+    ``router_dtype``, the routed experts in their weights' dtype: Note [Routed experts under
+    autocast] in ``experts.py``); a no-op context otherwise."""
+    device_type = t.device.type
+    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+# Device types torch.autocast takes (torch.amp.is_autocast_available, as a constant that
+# torch.compile reads without a graph break).
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu"})
 
 
 # The dtypes the layer's modules are made in (their init draws normal values, which float8 and

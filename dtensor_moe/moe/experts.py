@@ -81,7 +81,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.capacity import Capacity
-from dtensor_moe.moe.config import ComputePath, DeviceLike, factory_kwargs
+from dtensor_moe.moe.config import ComputePath, DeviceLike, autocast_off, factory_kwargs
 from dtensor_moe.moe.dispatch import (
     ExpertLayout,
     TokenDispatcher,
@@ -182,6 +182,19 @@ def _grouped_mm(x_RI: torch.Tensor, w_eOI: torch.Tensor, offs_e: torch.Tensor) -
     if torch.compiler.is_compiling():
         return _grouped_mm_op(x_RI, w_eOI, offs_e)
     return _ContiguousGrad.apply(torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e))
+
+
+# Note [Routed experts under autocast]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``torch.autocast`` casts ``mm``/``bmm``/``matmul`` to its lower-precision dtype but leaves
+# ``torch._grouped_mm`` alone, so under autocast the ``loop`` and ``bmm`` paths would compute in
+# bf16 and ``grouped_mm`` (and the fused routed step) in the weights' dtype, and the output's
+# dtype would depend on which path the counts pick (``auto`` takes ``bmm`` when every expert
+# gets the same count). The routed experts therefore run with autocast off for their device,
+# in the weights' dtype, on every path: :func:`grouped_swiglu` (every path, also when called
+# alone or per chunk by an expert-parallel dispatcher) and :meth:`GroupedExperts.forward` (the
+# dispatcher's gather and combine, the fused step) each turn it off. The input must then have
+# the weights' dtype (:meth:`GroupedExperts.forward` raises otherwise).
 
 
 def _grouped_mm_supported(x_RD: torch.Tensor, w1_eHD: torch.Tensor) -> bool:
@@ -476,7 +489,9 @@ def grouped_swiglu(
     Rows ``[c_0 + ... + c_{i-1}, c_0 + ... + c_i)`` go to expert ``i``; ``counts_e`` must sum
     to ``R``. All paths give the same result (up to float rounding for ``bmm``). ``counts_e``
     is read on the host for ``auto`` and ``loop``/``bmm``, unless it is a tensor on an
-    accelerator, where ``auto`` keeps it there and picks ``grouped_mm``.
+    accelerator, where ``auto`` keeps it there and picks ``grouped_mm``. ``torch.autocast`` does
+    not apply: every path computes in the weights' dtype (Note [Routed experts under
+    autocast]).
     """
     e = w1_eHD.shape[0]
     if len(counts_e) != e:
@@ -485,6 +500,12 @@ def grouped_swiglu(
         path in ("auto", "grouped_mm") and _grouped_mm_supported(x_RD, w1_eHD)
     ):
         return _host_count_paths(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path)
+    with autocast_off(x_RD):
+        return _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path)
+
+
+def _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path) -> torch.Tensor:
+    """:func:`grouped_swiglu` after its checks: resolve the path and run it."""
     counts = _host_counts(counts_e, path)
     chosen = resolve_compute_path(path, x_RD, w1_eHD, counts)
     if chosen != "grouped_mm" and counts is None:
@@ -627,13 +648,14 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"the routed experts got input of dtype={x_TD.dtype} but their weights are "
                 f"{self.w1.dtype}; cast the input or the layer so that they match (for "
-                "example moe.to(torch.bfloat16)). torch.autocast does not cast the experts' "
-                "grouped matmuls: they run in the weights' dtype, and need an input of it"
+                "example moe.to(torch.bfloat16)). torch.autocast does not apply to the routed "
+                "experts: they run in the weights' dtype, and need an input of it"
             )
         args = () if capacity is None else (capacity,)
-        return self.dispatcher.run_experts(
-            self, x_TD, topk_scores_TK, topk_ids_TK, counts_E, *args
-        )
+        with autocast_off(x_TD):  # Note [Routed experts under autocast]
+            return self.dispatcher.run_experts(
+                self, x_TD, topk_scores_TK, topk_ids_TK, counts_E, *args
+            )
 
     def runs_eagerly_under_compile(
         self, x_TD: torch.Tensor, capacity: Capacity | None = None

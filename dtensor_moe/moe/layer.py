@@ -47,9 +47,9 @@ __all__ = ["MoE"]
 # (``torch.distributed.tensor._random.is_rng_supported_mesh``). On CPU meshes every rank draws its
 # shard from its own generator, so when the ranks share a seed every shard repeats the others (the
 # experts of different EP ranks, FSDP's shards too); torch warns "DTensor random operators may not
-# have complete support on cpu device mesh". There, load a checkpoint after ``to_empty``. The CUDA
-# side has not run here (no multi-GPU machine). Tests: ``tests/test_moe_layer.py``,
-# ``tests/test_hf.py`` and ``tests/test_fsdp_moe.py::test_meta_device_init`` (which also shows the
+# have complete support on cpu device mesh". There, load a checkpoint after ``to_empty``. The
+# multi-GPU case is not covered by the tests, which run on CPU meshes. Tests:
+# ``tests/test_moe_layer.py``, ``tests/test_hf.py`` and ``tests/test_fsdp_moe.py::test_meta_device_init`` (which also shows the
 # CPU repetition, so that this paragraph changes when torch does).
 
 
@@ -180,9 +180,7 @@ class MoE(nn.Module):
         # the router's counter update: last in the forward, or in the island (both eager)
         count = None
         if self.router.training:
-            router = self.router
-            count = (router.tokens_per_expert, routing.count_E, router.dropped_per_expert,
-                     routing.dropped_E)
+            count = (self.router, routing.count_E, routing.dropped_E)
         if torch.compiler.is_compiling() and _eager_under_compile(
             self.experts, x_TD, routing.capacity
         ):

@@ -13,6 +13,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch import nn
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.capacity import Capacity, capacity_keep, expert_capacity, round_up
-from dtensor_moe.moe.config import DeviceLike, MoEConfig, factory_kwargs
+from dtensor_moe.moe.config import DeviceLike, MoEConfig, autocast_off, factory_kwargs
 from dtensor_moe.moe.losses import (
     aux_loss_from_sums,
     router_losses,
@@ -31,6 +32,8 @@ from dtensor_moe.moe.losses import (
 from dtensor_moe.moe.tokens import RoutedTokens
 
 __all__ = [
+    "BIAS_UPDATE_WARN_FORWARDS",
+    "RouterGate",
     "RouterOutput",
     "TokenChoiceTopKRouter",
     "aux_loss_from_sums",
@@ -108,22 +111,56 @@ _COUNT_REASON = (
 )
 
 
+#: Training forwards a router with an expert bias counts before it warns that
+#: :func:`~dtensor_moe.moe.update_expert_bias` has not run since (once per router).
+BIAS_UPDATE_WARN_FORWARDS = 100
+
+
 def count_unless_recompute(
-    tokens_per_expert: torch.Tensor,
+    router: TokenChoiceTopKRouter,
     counts_E: torch.Tensor,
-    dropped_per_expert: torch.Tensor | None = None,
     dropped_E: torch.Tensor | None = None,
 ) -> None:
-    """``tokens_per_expert += counts_E`` (and ``dropped_per_expert += dropped_E`` when given)
-    unless this runs inside a backward pass (recompute).
+    """``router.tokens_per_expert += counts_E`` (and ``router.dropped_per_expert +=
+    dropped_E`` when given) unless this runs inside a backward pass (recompute).
 
-    Run eagerly under ``torch.compile`` (one graph break); see ``_COUNT_REASON``.
+    A router with an expert bias also counts the forwards since the last
+    :func:`~dtensor_moe.moe.update_expert_bias`, and warns once when they reach
+    :data:`BIAS_UPDATE_WARN_FORWARDS` (Note [Expert bias needs its update]). Run eagerly under
+    ``torch.compile`` (one graph break); see ``_COUNT_REASON``.
     """
-    if not _in_backward_pass():
-        with torch.no_grad():
-            tokens_per_expert.add_(counts_E)
-            if dropped_per_expert is not None and dropped_E is not None:
-                dropped_per_expert.add_(dropped_E)
+    if _in_backward_pass():
+        return
+    with torch.no_grad():
+        router.tokens_per_expert.add_(counts_E)
+        if router.dropped_per_expert is not None and dropped_E is not None:
+            router.dropped_per_expert.add_(dropped_E)
+    if router.expert_bias is not None:
+        router.forwards_since_bias_update += 1
+        if router.forwards_since_bias_update == BIAS_UPDATE_WARN_FORWARDS:
+            warnings.warn(
+                f"an MoE router with use_expert_bias=True has counted "
+                f"{BIAS_UPDATE_WARN_FORWARDS} training forwards without update_expert_bias: its "
+                "expert bias stays as it is while tokens_per_expert grows. Call "
+                "dtensor_moe.moe.update_expert_bias(model, rate) once per optimizer step, for "
+                "example optimizer.register_step_post_hook(lambda *_: "
+                "update_expert_bias(model, 1e-3))",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+# Note [Expert bias needs its update]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``use_expert_bias=True`` balances only when ``update_expert_bias`` runs: forgetting it leaves
+# the bias at its value (0 for a new layer) while ``tokens_per_expert`` grows, with no other
+# sign. A biased router therefore counts the forwards whose tokens it counts (training mode,
+# grad enabled or not; not eval mode, not an activation-checkpoint recompute) in the plain int
+# ``forwards_since_bias_update``, which ``update_expert_bias`` sets back to 0, and warns once,
+# at the ``BIAS_UPDATE_WARN_FORWARDS``-th. A training step runs one forward per micro-batch, so
+# with ``n`` micro-batches per step the warning comes after ``BIAS_UPDATE_WARN_FORWARDS / n``
+# steps. The count runs where the token counter is updated, eagerly (a graph break under
+# ``torch.compile`` in training anyway).
 
 
 count_unless_recompute = torch.compiler.disable(count_unless_recompute, reason=_COUNT_REASON)
@@ -204,6 +241,40 @@ def sequence_aux_loss(
 # moves (to ``meta``), ``to_empty``, and that a 1e-4 update survives a bf16 model.
 
 
+class RouterGate(nn.Linear):
+    """The router's gate: an ``nn.Linear`` without bias that computes in ``compute_dtype``.
+
+    ``forward`` casts its input and its weight to ``compute_dtype`` (``MoEConfig.router_dtype``;
+    ``None``: the weight's dtype when the forward runs) with ``torch.autocast`` off, so the
+    logits have that dtype whatever the parameter's dtype and whatever autocast is on. The
+    casts are autograd ops: the weight's gradient arrives in the weight's own dtype. The weight
+    is read inside ``forward``, after the module's pre-hooks (an FSDP2 unit's all-gather and
+    mixed-precision cast), and the module is an ``nn.Linear`` for parallel styles and state
+    dicts. No collective.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        compute_dtype: torch.dtype | None = None,
+        device: DeviceLike = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        self.compute_dtype = compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        dtype = weight.dtype if self.compute_dtype is None else self.compute_dtype
+        with autocast_off(x):
+            return F.linear(x.to(dtype), weight.to(dtype))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, compute_dtype={self.compute_dtype}"
+
+
 def bias_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype an ``expert_bias`` of ``dtype`` keeps: never below float32 (Note [Expert bias
     keeps its dtype])."""
@@ -222,9 +293,12 @@ class TokenChoiceTopKRouter(nn.Module):
         ``dropped_per_expert`` (E, int64, not persistent; only with a capacity): the
         part of ``tokens_per_expert`` that the experts dropped for capacity, counted alike.
 
-    The logits are computed in the gate weight's dtype (the input is cast to it): a float32 gate
-    in a bf16 model routes in float32, as DeepSeek-V3's router does. ``device`` and ``dtype``
-    (torch's factory arguments) place the gate and the buffers; the buffers keep their dtypes.
+    The gate is a :class:`RouterGate`: the logits are computed in ``MoEConfig.router_dtype``
+    (``None``: the gate weight's dtype), with ``torch.autocast`` off; ``router_dtype=
+    torch.float32`` routes in float32 in a bf16 model and under FSDP2 bf16 mixed precision, as
+    DeepSeek-V3's router does. The scores are float32 (or the logits' dtype when wider).
+    ``device`` and ``dtype`` (torch's factory arguments) place the gate and the buffers; the
+    buffers keep their dtypes.
 
     Attributes:
         last_aux_loss: detached value of the last balance loss, for logging only (``None``
@@ -246,7 +320,9 @@ class TokenChoiceTopKRouter(nn.Module):
         factory = factory_kwargs(device, dtype)
         device = factory["device"]
         self.config = config
-        self.gate = nn.Linear(config.dim, config.num_experts, bias=False, **factory)
+        self.gate = RouterGate(
+            config.dim, config.num_experts, compute_dtype=config.router_dtype, **factory
+        )
         E = config.num_experts
         bias = None
         if config.use_expert_bias:
@@ -259,6 +335,9 @@ class TokenChoiceTopKRouter(nn.Module):
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.aux_loss_group: object | None = None
+        # training forwards counted since the last update_expert_bias (Note [Expert bias
+        # needs its update]); a host int, like the counters' window, not state to save
+        self.forwards_since_bias_update = 0
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -305,7 +384,7 @@ class TokenChoiceTopKRouter(nn.Module):
                 seq_len=x_TD.shape[0] // num_sequences,
                 local_shape=tuple(x_TD.shape),
             )
-        logits = self.gate(x_TD.to(self.gate.weight.dtype))
+        logits = self.gate(x_TD)  # in MoEConfig.router_dtype (RouterGate)
         logits_TE = tokens.local(logits).reshape(-1, cfg.num_experts)
         scores_TE = self.scores(logits_TE)
         topk_ids_TK = self.select(scores_TE)
@@ -370,8 +449,9 @@ class TokenChoiceTopKRouter(nn.Module):
         return capacity, keep_bK if mine is None else keep_bK.index_select(0, mine)
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
-        """``softmax`` or ``sigmoid`` of the gate logits, in float32."""
-        logits_TE = logits_TE.float()
+        """``softmax`` or ``sigmoid`` of the gate logits, in float32 (in the logits' dtype
+        when it is wider)."""
+        logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
         if self.config.score_func == "softmax":
             return F.softmax(logits_TE, dim=-1)
         return torch.sigmoid(logits_TE)
@@ -435,9 +515,7 @@ class TokenChoiceTopKRouter(nn.Module):
         runs, so the update runs eagerly, outside the graph.
         """
         if self.training:
-            count_unless_recompute(
-                self.tokens_per_expert, counts_E, self.dropped_per_expert, dropped_E
-            )
+            count_unless_recompute(self, counts_E, dropped_E)
 
     def _check_input(self, x_TD: torch.Tensor, num_sequences: int) -> None:
         if x_TD.dim() != 2 or x_TD.shape[-1] != self.config.dim:

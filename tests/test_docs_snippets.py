@@ -44,17 +44,6 @@ TIMEOUT_S = 120
 # and the rest of the page still runs. Keyed by content, so edits elsewhere in a page do not
 # move them; an entry whose block got its marker simply matches nothing.
 KNOWN_INCOMPLETE: dict[tuple[str, str], str] = {
-    ("docs/hf.md", "from transformers import AutoModelForCausalLM"):
-        "from_pretrained(...) placeholder; needs a checkpoint and 8 ranks",
-    ("docs/moe.md", "routed_RD, counts_e, meta = dispatcher.dispatch(x_TD, topk_scores_TK, "
-                    "topk_ids_TK, counts_E)"):
-        "uses dispatcher, x_TD, topk_* and out_RD, defined nowhere",
-    ("docs/moe.md", "opt = torch.optim.AdamW(model.parameters(), lr=3e-4)"):
-        "uses model and update_expert_bias, defined or imported nowhere",
-    ("docs/moe.md", "from dtensor_moe import collect_aux_losses"):
-        "uses batch, n_micro, model, F, targets and scaler, defined nowhere",
-    ("docs/moe.md", "from dtensor_moe.moe import set_aux_loss_group"):
-        "model = ... placeholder; dist not imported; needs a process group",
     ("docs/optimizers.md", "import torch, dtensor_moe"):
         "uses model and loss, defined nowhere",
     ("docs/optimizers.md", 'scaler = torch.amp.GradScaler("cuda")'):

@@ -2,7 +2,7 @@
 
 Shape legend:
     E  routed experts
-    M  MoE routers with an expert bias in the module tree being updated
+    N  the routers' counters concatenated (the sum of their E)
 
 Note [Auxiliary loss follows the loss]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -36,6 +36,24 @@ break); the recompute check runs eagerly, so a compiled region that is recompute
 open collector (``checkpoint(torch.compile(f))`` with backward inside the ``with`` block) would
 collect its loss a second time: run backward after the block. The value is also kept, detached,
 in ``router.last_aux_loss`` for logging.
+
+Note [Counters under pipeline parallelism]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A router's ``tokens_per_expert`` counter sums over every training forward since its last reset,
+so the micro-batches of one step add up on their own: a schedule that runs ``n`` micro-batches
+through a stage leaves the counts of all ``n`` there. Under pipeline parallelism the ranks of
+different stages hold different layers, and possibly a different number of MoE layers, so the
+counters of a layer may only be summed over the ranks that hold that layer: the ranks of its
+stage (``MoEMeshes.stage_group``), where each token of the layer's input is counted on exactly
+one rank. A sum over a group reaching into another stage would add another layer's counts, or
+wait forever for a rank that has a different number of layers.
+
+``update_expert_bias(stage_module, rate, meshes=meshes)`` sums over ``meshes.stage_group``.
+A ``process_group`` is checked before the collective, locally on each rank: its ranks must lie
+in the stage (``meshes.stage_ranks``) when the meshes are given, and in the meshes of the
+module's DTensor params (which a stage's parallel styles put on the stage's meshes) in any
+case. A stage without a biased router (dense-only layers) does nothing when the meshes are
+given: every rank of its stage holds the same layers, so they all skip the collective alike.
 """
 
 # ruff: noqa: N806
@@ -45,7 +63,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -55,6 +73,9 @@ from torch.distributed.tensor import DTensor
 from dtensor_moe import _compat
 from dtensor_moe.moe.config import AuxLossMode
 from dtensor_moe.moe.router import TokenChoiceTopKRouter, bias_dtype
+
+if TYPE_CHECKING:
+    from dtensor_moe.parallel.mesh import MoEMeshes
 
 __all__ = [
     "AuxLossBackward",
@@ -211,53 +232,117 @@ def attach_aux_loss(
     return AuxLossBackward.apply(y, aux_loss)
 
 
-def _biased_routers(module: nn.Module) -> list[TokenChoiceTopKRouter]:
+def _biased_routers(module: nn.Module, *, stage_may_lack: bool) -> list[TokenChoiceTopKRouter]:
     routers = [
         m
         for m in module.modules()
         if isinstance(m, TokenChoiceTopKRouter) and m.expert_bias is not None
     ]
-    if not routers:
+    if not routers and not stage_may_lack:
         raise ValueError(
             f"update_expert_bias found no router with an expert bias in {type(module).__name__}; "
-            "build the MoE layers with MoEConfig(use_expert_bias=True)"
+            "build the MoE layers with MoEConfig(use_expert_bias=True). For a pipeline stage "
+            "that holds no MoE layer, pass meshes=build_moe_meshes(pp=...) (then it does nothing)"
         )
     return routers
 
 
+def _param_mesh_ranks(module: nn.Module) -> set[int]:
+    """The global ranks of every mesh that ``module``'s DTensor params live on."""
+    meshes = {param.device_mesh for param in module.parameters() if isinstance(param, DTensor)}
+    return {rank for mesh in meshes for rank in mesh.mesh.flatten().tolist()}
+
+
+def _counter_group(
+    module: nn.Module, process_group: dist.ProcessGroup | None, meshes: object | None
+) -> dist.ProcessGroup | None:
+    """The group the counters are summed over, checked locally (no collective); Note
+    [Counters under pipeline parallelism]."""
+    if meshes is not None:
+        from dtensor_moe.parallel.mesh import MoEMeshes  # the parallel package imports moe
+
+        if not isinstance(meshes, MoEMeshes):
+            raise TypeError(
+                f"update_expert_bias: meshes must be the MoEMeshes of build_moe_meshes, got "
+                f"{type(meshes).__name__}"
+            )
+    if process_group is None:
+        return None if meshes is None else meshes.stage_group
+    ranks = set(dist.get_process_group_ranks(process_group))
+    if meshes is not None and not ranks <= set(meshes.stage_ranks):
+        raise ValueError(
+            f"update_expert_bias: process_group holds ranks {sorted(ranks - set(meshes.stage_ranks))} "
+            f"outside this pipeline stage (stage {meshes.pp_rank}, ranks "
+            f"{list(meshes.stage_ranks)}); the ranks of other stages hold other layers. Pass "
+            "meshes=meshes alone (it sums over meshes.stage_group)"
+        )
+    held_by = _param_mesh_ranks(module)
+    if held_by and not ranks <= held_by:
+        raise ValueError(
+            f"update_expert_bias: process_group holds ranks {sorted(ranks - held_by)} on which "
+            f"{type(module).__name__}'s DTensor params do not live (they live on ranks "
+            f"{sorted(held_by)}); those ranks hold other layers, such as another pipeline "
+            "stage. Pass meshes=meshes (it sums over this stage's ranks) or a group of the "
+            "ranks that hold this module"
+        )
+    return process_group
+
+
 @torch.no_grad()
 def update_expert_bias(
-    module: nn.Module, rate: float, *, process_group: dist.ProcessGroup | None = None
+    module: nn.Module,
+    rate: float,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    meshes: MoEMeshes | None = None,
 ) -> None:
     """Auxiliary-loss-free balancing step for every biased router in ``module``.
 
     For each router: ``bias += rate * centered(sign(mean(c) - c))`` where ``c`` is its
     ``tokens_per_expert`` counter; then the counter is reset to zero. Under-loaded experts gain
     bias and get selected more often; the combine weights never see the bias. A router whose
-    counter is all zero keeps its bias. Call it once per optimizer step, for example::
+    counter is all zero keeps its bias. The counters sum over every training forward since the
+    last update, so the micro-batches of a step all count. Call it once per optimizer step, for
+    example::
 
         optimizer.register_step_post_hook(lambda *_: update_expert_bias(model, 1e-3))
 
     Keyword Args:
         process_group: if given, the counters of all routers are summed over this group
             first, in one ``all_reduce`` (the only collective), so that data-parallel ranks
-            apply the same update. Without it, a ``module`` with DTensor params in a
-            multi-rank run gets a one-time ``UserWarning``: ranks that route different tokens
-            would update their biases apart.
+            apply the same update. Without it (and without ``meshes``), a ``module`` with
+            DTensor params in a multi-rank run gets a one-time ``UserWarning``: ranks that
+            route different tokens would update their biases apart.
+        meshes: the :class:`~dtensor_moe.parallel.MoEMeshes` of this rank (of its pipeline
+            stage under pipeline parallelism, with ``module`` the stage's module). Without
+            ``process_group``, the counters are summed over ``meshes.stage_group``: the ranks
+            that hold ``module``'s layers (every rank when ``pp == 1``). A stage without a
+            biased router then does nothing (no collective). See Note [Counters under
+            pipeline parallelism].
+
+    Raises:
+        ValueError: ``rate`` not positive; no biased router in ``module`` (unless ``meshes``
+            has ``pp > 1``); ``process_group`` holding a rank outside ``meshes.stage_ranks``
+            or outside the meshes of ``module``'s DTensor params (a group spanning pipeline
+            stages). Each is decided locally, before any collective.
     """
     if not rate > 0:
         raise ValueError(f"update_expert_bias needs a positive rate, got {rate}")
-    routers = _biased_routers(module)
-    if process_group is None:
+    group = _counter_group(module, process_group, meshes)
+    routers = _biased_routers(module, stage_may_lack=meshes is not None and meshes.pp > 1)
+    if not routers:
+        return  # a pipeline stage of dense layers: its ranks all skip the collective
+    if group is None:
         _warn_if_parallel(module)
-    counts_ME = torch.stack([r.tokens_per_expert for r in routers]).to(torch.float64)
-    if process_group is not None:
-        dist.all_reduce(counts_ME, group=process_group)
-    delta_ME = torch.sign(counts_ME.mean(dim=-1, keepdim=True) - counts_ME)
-    delta_ME = delta_ME - delta_ME.mean(dim=-1, keepdim=True)
-    active_M1 = (counts_ME.sum(dim=-1, keepdim=True) > 0).to(delta_ME.dtype)
-    delta_ME = delta_ME * active_M1 * rate
-    for router, delta_E in zip(routers, delta_ME):
+    # every router's counter in one flat tensor (routers may differ in E): one collective
+    counts_N = torch.cat([r.tokens_per_expert.reshape(-1) for r in routers]).to(torch.float64)
+    if group is not None:
+        dist.all_reduce(counts_N, group=group)
+    counts_per_router = counts_N.split([r.tokens_per_expert.numel() for r in routers])
+    for router, counts_E in zip(routers, counts_per_router, strict=True):
+        delta_E = torch.sign(counts_E.mean() - counts_E)
+        active = (counts_E.sum() > 0).to(delta_E.dtype)  # an all-zero counter keeps its bias
+        delta_E = (delta_E - delta_E.mean()) * active * rate
         if router.expert_bias.dtype != bias_dtype(router.expert_bias.dtype):  # below float32
             warnings.warn(
                 f"update_expert_bias: an expert_bias is {router.expert_bias.dtype}, in which "

@@ -8,6 +8,23 @@ routed since the counter was last reset (by :func:`~dtensor_moe.moe.update_exper
 ``load_stats(..., reset=True)``), counted in training mode only. Under every parallel layout each
 token is counted on exactly one rank (Note [Global router statistics] in
 ``dtensor_moe/parallel/token_parallel.py``), so the sum over all ranks is the global count.
+
+Note [Load stats across pipeline stages]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under pipeline parallelism each rank holds one stage's layers, so no rank can sum another
+stage's counters, and the stages hold different numbers of layers (possibly none, possibly with
+different ``E``): a tensor collective would need a common size that no rank knows. So
+``load_stats(stage_module, meshes=meshes)`` with ``meshes.pp > 1`` runs one
+``all_gather_object`` over the default group, each rank sending its stage index, its layer
+names and its flat int counters (routed, then dropped, as :func:`_counters` lays them out);
+every rank then sums the counters of each stage over that stage's ranks (each token counted on
+exactly one rank of the stage, Note [Counters under pipeline parallelism] in ``balance.py``)
+and lists the stages in order. torch runs ``all_gather_object`` as two ``all_gather`` calls,
+the payload sizes then the payloads. The names are the stage modules' own names, optionally
+behind ``prefix``; they must be unique across the model, which holds when each stage module
+keeps the full model's names (a full model copy with the other stages' layers deleted, layers in
+an ``nn.ModuleDict`` keyed by their index). Every rank receives the same objects, so every rank
+raises the same error on repeated names.
 """
 
 # ruff: noqa: N806
@@ -16,13 +33,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dtensor_moe.moe.router import TokenChoiceTopKRouter
+
+if TYPE_CHECKING:
+    from dtensor_moe.parallel.mesh import MoEMeshes
 
 __all__ = ["LayerLoad", "load_stats"]
 
@@ -120,6 +140,8 @@ def load_stats(
     *,
     process_group: dist.ProcessGroup | Literal["world", "local"] = "world",
     reset: bool = False,
+    meshes: MoEMeshes | None = None,
+    prefix: str = "",
 ) -> list[LayerLoad]:
     """Tokens-per-expert figures of every MoE layer in ``model``, in module order.
 
@@ -130,16 +152,30 @@ def load_stats(
             alone otherwise; ``"local"``: this process's counters, no collective; or a group.
         reset: zero the counters afterwards (what :func:`~dtensor_moe.moe.update_expert_bias`
             also does). Leave it ``False`` when the expert bias is updated from them.
+        meshes: the :class:`~dtensor_moe.parallel.MoEMeshes` of this rank. With
+            ``meshes.pp > 1``, ``model`` is this rank's pipeline stage module and the result
+            lists every MoE layer of every stage, stage by stage, the same on every rank
+            (Note [Load stats across pipeline stages]); a stage may hold no MoE layer. With
+            ``pp == 1`` it is the default. Leave ``process_group`` at ``"world"`` with it.
+        prefix: put in front of every layer name (for a stage module that is a submodule of
+            the model, e.g. ``"layers."``).
 
     Collectives: one ``all_reduce`` of the ``2 * M * E`` int64 counts (routed and dropped,
-    every layer at once) when a group applies; nothing runs during the forward. Call it on
-    every rank of the group.
+    every layer at once) when a group applies; with ``meshes.pp > 1`` one
+    ``all_gather_object`` over every rank instead. Nothing runs during the forward. Call it on
+    every rank of the group (of the world with ``meshes``).
 
     Raises:
-        ValueError: when ``model`` holds no router, or ``process_group`` is another string.
+        ValueError: when no router is found (in ``model``, or in any stage with ``meshes``),
+            ``process_group`` is another string or is given with ``meshes``, or two stages
+            name a layer alike.
     """
     group = _group(process_group)
-    named = _named_routers(model)
+    if meshes is not None:
+        _check_meshes(meshes, process_group)
+        if meshes.pp > 1:
+            return _load_stats_across_stages(model, meshes, reset=reset, prefix=prefix)
+    named = [(prefix + name, router) for name, router in _named_routers(model)]
     if not named:
         raise ValueError(
             f"load_stats found no TokenChoiceTopKRouter in {type(model).__name__}; pass the "
@@ -160,6 +196,65 @@ def load_stats(
                               flat[start + size : start + 2 * size])
         for (name, _), start, size in zip(named, starts, sizes, strict=True)
     ]
+
+
+def _check_meshes(meshes: object, process_group: object) -> None:
+    from dtensor_moe.parallel.mesh import MoEMeshes  # the parallel package imports moe
+
+    if not isinstance(meshes, MoEMeshes):
+        raise TypeError(
+            f"load_stats: meshes must be the MoEMeshes of build_moe_meshes, got "
+            f"{type(meshes).__name__}"
+        )
+    if not (isinstance(process_group, str) and process_group == "world"):
+        raise ValueError(
+            f"load_stats: pass either meshes or process_group, got process_group="
+            f"{process_group!r} with meshes; with meshes the counters of each layer are summed "
+            "over the ranks of its pipeline stage"
+        )
+
+
+def _load_stats_across_stages(
+    model: nn.Module, meshes: MoEMeshes, *, reset: bool, prefix: str
+) -> list[LayerLoad]:
+    """Note [Load stats across pipeline stages]: one ``all_gather_object`` over the world."""
+    named = [(prefix + name, router) for name, router in _named_routers(model)]
+    sizes = [r.tokens_per_expert.numel() for _, r in named]
+    flat = torch.cat([_counters(r) for _, r in named]).tolist() if named else []
+    mine = (meshes.pp_rank, [name for name, _ in named], sizes, flat)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if reset:
+        for _, router in named:
+            router.reset_counters()
+    stages: dict[int, tuple[list[str], list[int], list[int]]] = {}
+    for pp_rank, names, layer_sizes, counts in gathered:
+        if pp_rank not in stages:
+            stages[pp_rank] = (names, layer_sizes, list(counts))
+        else:  # another rank of the same stage: same layers, its own tokens
+            total = stages[pp_rank][2]
+            total[:] = [a + b for a, b in zip(total, counts, strict=True)]
+    loads, seen = [], set()
+    for pp_rank in sorted(stages):
+        names, layer_sizes, counts = stages[pp_rank]
+        start = 0
+        for name, size in zip(names, layer_sizes, strict=True):
+            if name in seen:
+                raise ValueError(
+                    f"load_stats: two pipeline stages hold a layer named {name!r} (stage "
+                    f"{pp_rank} and an earlier one); give each stage module the full model's "
+                    "names (layers in an nn.ModuleDict keyed by their index) or pass prefix="
+                )
+            seen.add(name)
+            routed, dropped = counts[start : start + size], counts[start + size : start + 2 * size]
+            loads.append(LayerLoad.from_counts(name, routed, dropped))
+            start += 2 * size
+    if not loads:
+        raise ValueError(
+            f"load_stats found no TokenChoiceTopKRouter in any pipeline stage "
+            f"({type(model).__name__} on this rank); pass each stage's module"
+        )
+    return loads
 
 
 def _counters(router: TokenChoiceTopKRouter) -> torch.Tensor:

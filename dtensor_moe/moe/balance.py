@@ -49,11 +49,13 @@ one rank. A sum over a group reaching into another stage would add another layer
 wait forever for a rank that has a different number of layers.
 
 ``update_expert_bias(stage_module, rate, meshes=meshes)`` sums over ``meshes.stage_group``.
-A ``process_group`` is checked before the collective, locally on each rank: its ranks must lie
-in the stage (``meshes.stage_ranks``) when the meshes are given, and in the meshes of the
-module's DTensor params (which a stage's parallel styles put on the stage's meshes) in any
-case. A stage without a biased router (dense-only layers) does nothing when the meshes are
-given: every rank of its stage holds the same layers, so they all skip the collective alike.
+With the meshes, a ``process_group`` is checked before the collective, locally on each rank:
+its ranks must lie in the stage (``meshes.stage_ranks``). Without them nothing says where the
+stages are: the meshes of the module's DTensor params do not, since a param on a 1-D ``"ep"``
+slice lives on a few ranks of the stage while plain replicas of it live on the others (public
+``DeviceMesh`` API does not lead from a slice to its root mesh). A stage without a biased router
+(dense-only layers) does nothing when the meshes are given: every rank of its stage holds the
+same layers, so they all skip the collective alike.
 """
 
 # ruff: noqa: N806
@@ -247,12 +249,6 @@ def _biased_routers(module: nn.Module, *, stage_may_lack: bool) -> list[TokenCho
     return routers
 
 
-def _param_mesh_ranks(module: nn.Module) -> set[int]:
-    """The global ranks of every mesh that ``module``'s DTensor params live on."""
-    meshes = {param.device_mesh for param in module.parameters() if isinstance(param, DTensor)}
-    return {rank for mesh in meshes for rank in mesh.mesh.flatten().tolist()}
-
-
 def _counter_group(
     module: nn.Module, process_group: dist.ProcessGroup | None, meshes: object | None
 ) -> dist.ProcessGroup | None:
@@ -268,22 +264,15 @@ def _counter_group(
             )
     if process_group is None:
         return None if meshes is None else meshes.stage_group
-    ranks = set(dist.get_process_group_ranks(process_group))
-    if meshes is not None and not ranks <= set(meshes.stage_ranks):
+    if meshes is None:  # nothing to check it against: Note [Counters under pipeline parallelism]
+        return process_group
+    outside = set(dist.get_process_group_ranks(process_group)) - set(meshes.stage_ranks)
+    if outside:
         raise ValueError(
-            f"update_expert_bias: process_group holds ranks {sorted(ranks - set(meshes.stage_ranks))} "
+            f"update_expert_bias: process_group holds ranks {sorted(outside)} "
             f"outside this pipeline stage (stage {meshes.pp_rank}, ranks "
             f"{list(meshes.stage_ranks)}); the ranks of other stages hold other layers. Pass "
             "meshes=meshes alone (it sums over meshes.stage_group)"
-        )
-    held_by = _param_mesh_ranks(module)
-    if held_by and not ranks <= held_by:
-        raise ValueError(
-            f"update_expert_bias: process_group holds ranks {sorted(ranks - held_by)} on which "
-            f"{type(module).__name__}'s DTensor params do not live (they live on ranks "
-            f"{sorted(held_by)}); those ranks hold other layers, such as another pipeline "
-            "stage. Pass meshes=meshes (it sums over this stage's ranks) or a group of the "
-            "ranks that hold this module"
         )
     return process_group
 
@@ -323,8 +312,8 @@ def update_expert_bias(
     Raises:
         ValueError: ``rate`` not positive; no biased router in ``module`` (unless ``meshes``
             has ``pp > 1``); ``process_group`` holding a rank outside ``meshes.stage_ranks``
-            or outside the meshes of ``module``'s DTensor params (a group spanning pipeline
-            stages). Each is decided locally, before any collective.
+            (a group spanning pipeline stages; checked only when ``meshes`` is given). Each is
+            decided locally, before any collective.
     """
     if not rate > 0:
         raise ValueError(f"update_expert_bias needs a positive rate, got {rate}")

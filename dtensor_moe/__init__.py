@@ -7,7 +7,7 @@ SGD, Adagrad; in-place, out-of-place, ``tensor_lr`` and ``.out`` overloads) and 
 
 from dtensor_moe import _compat
 from dtensor_moe.moe import AuxLosses, MoE, MoEConfig, collect_aux_losses
-from dtensor_moe.optim import clip_grad_norm_, fast_step, register_strategies
+from dtensor_moe.optim import clip_grad_norm_, register_strategies
 from dtensor_moe.parallel import (
     ExpertParallel,
     ExpertTensorParallel,
@@ -38,7 +38,6 @@ __all__ = [
 ]
 
 
-
 def clear_caches() -> None:
     """Empty every cache of dtensor_moe. No collective; safe at any time and on any rank.
 
@@ -47,16 +46,12 @@ def clear_caches() -> None:
     the objects it describes (each module's Note gives key, bound and lifetime), so calling this
     is not needed to free them; it releases the little they hold at once. Emptied:
 
-    - ``dtensor_moe._compat._ALIGNED``: the aligned-slot verdicts of the fused optimizer
-      handlers (Note [Aligned-slot cache], ``_compat.clear_aligned_caches``);
     - ``dtensor_moe._compat._GRAD_SPECS``: gradient specs of ``local_views`` per DTensor spec
-      (Note [Gradient-spec cache]);
-    - ``dtensor_moe.optim.fast_step._GROUP_KEYS``: the one (device, dtype) group of a set of
-      local param tensors (Note [Fast-step caches], ``fast_step.clear_caches``).
+      (Note [Gradient-spec cache]).
 
-    State that belongs to one object lives on it, not here: whether an optimizer qualifies for
-    the fast step (an attribute of the optimizer) and whether ``update_expert_bias`` has warned
-    about a module (an attribute of the module).
+    The fused optimizer handlers keep no cache (Note [Handler cost] in ``optim/fused.py``).
+    State that belongs to one object lives on it, not here: whether ``update_expert_bias`` has
+    warned about a module (an attribute of the module).
 
     Left alone: the memo of :func:`build_moe_meshes`, which holds its meshes weakly and must
     keep returning a mesh that is still in use (Note [Mesh memo]); the GradScaler handler's
@@ -64,9 +59,7 @@ def clear_caches() -> None:
     across meshes]); torch's own caches (sharding propagation, redistribute plans), which hold
     the meshes of the specs they have seen.
     """
-    _compat.clear_aligned_caches()
     _compat._GRAD_SPECS.clear()
-    fast_step.clear_caches()
 
 
 register_strategies()

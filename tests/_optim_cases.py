@@ -6,6 +6,7 @@ The layout uses three meshes on 4 ranks: a 1-D world mesh, the 2-D (dp, tp) mesh
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -86,23 +87,32 @@ def make_optimizer(cls_name: str, params, kwargs: dict, impl: str):
 
 
 @contextlib.contextmanager
-def fast_paths(enabled: bool):
-    """Run a block with dtensor_moe's speed-only patches on or off (Note [Switchable fast
-    paths]), then put the previous setting back."""
-    from dtensor_moe.optim import fast_paths_enabled, set_fast_paths
+def handler_calls():
+    """Count, by overload, the calls that reach dtensor_moe's fused-optimizer handler in the
+    block: a counting wrapper sits in DTensor's handler table for the block only."""
+    from dtensor_moe import _compat
+    from dtensor_moe.optim.fused import FUSED_OPS, fused_optimizer_handler
 
-    before = fast_paths_enabled()
-    set_fast_paths(enabled)
+    calls: collections.Counter = collections.Counter()
+
+    def counting(op, args, kwargs):
+        calls[str(op)] += 1
+        return fused_optimizer_handler(op, args, kwargs)
+
+    handlers = _compat.custom_op_handlers()
+    for op in FUSED_OPS:
+        handlers[op] = counting
     try:
-        yield
+        yield calls
     finally:
-        set_fast_paths(before)
+        for op in FUSED_OPS:
+            handlers[op] = fused_optimizer_handler
 
 
 def plain_copies(dtensors: list) -> list:
     """Plain-tensor params holding clones of this rank's local shards (and of their grads).
 
-    Stepped with fast paths off, they give torch's own result on exactly the local data that the
+    Stepped by torch.optim, they give torch's own result on exactly the local data that the
     DTensor step works on, without running any code of dtensor_moe.
     """
     out = []

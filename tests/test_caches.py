@@ -2,7 +2,7 @@
 
 A world of one rank runs what fills every cache: ``build_moe_meshes``, a token-parallel MoE
 forward and backward (``local_views``, the checked-dispatcher cache), and GradScaler steps of a
-fused AdamW over the DTensor params (the inf-check handler, the fused handlers, the fast step).
+fused AdamW over the DTensor params (the inf-check handler, the fused handlers).
 Then the default group is destroyed and the objects deleted: weak references to all of them must
 be dead after ``gc.collect()``, with and without ``dtensor_moe.clear_caches()``.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import pytest
 import torch
 
@@ -78,90 +77,30 @@ def test_registration_is_idempotent():
     assert handlers[scaler_op] is found_inf_handler
 
 
-_ENTRY_NAMES = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
+_IN_PLACE = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
 
 
-def _step_body(cls):
-    """What ``cls.step`` runs inside torch's ``_use_grad`` wrapper (Note [Fast step])."""
-    return _compat.optimizer_step_body_cell(cls).cell_contents
+@pytest.mark.parametrize("name", EXPECTED_OPS)
+def test_kernel_is_torchs_binding_or_the_overload(name):
+    # The handler calls torch's own Python binding for the in-place ops (it picks the overload
+    # from the type of lr, as the dispatcher did) and the overload itself for the others; it
+    # reads the binding from torch and never replaces it.
+    op = _op(name)
+    packet = op.overloadpacket.__name__
+    kernel = fused_op_layout(op).kernel
+    if packet in _IN_PLACE:
+        assert kernel is getattr(torch._C._VariableFunctions, packet)
+        assert getattr(torch, packet) is kernel
+    else:
+        assert kernel is op
 
 
-def _our_pre_hooks() -> int:
-    """How many times dtensor_moe's fast-step pre-hook is registered."""
-    from torch.optim.optimizer import _global_optimizer_pre_hooks
+def test_plain_tensors_never_reach_the_handler():
+    from tests._optim_cases import handler_calls
 
-    from dtensor_moe.optim.fast_step import _arm_fast_step
-
-    return sum(h is _arm_fast_step for h in _global_optimizer_pre_hooks.values())
-
-
-def test_fast_entries_wrap_torch_functions_once():
-    for name in _ENTRY_NAMES:
-        torchs = getattr(torch._C._VariableFunctions, name)
-        assert getattr(torch, name).__wrapped__ is torchs
-        dtensor_moe.register_strategies()
-        # re-registering wraps the original again, never the wrapper
-        assert getattr(torch, name).__wrapped__ is torchs
-
-
-def test_set_fast_paths_restores_torchs_objects_and_back():
-    from dtensor_moe.optim import fast_paths_enabled, set_fast_paths
-    from dtensor_moe.optim.fast_step import FAST_STEP_CLASSES
-
-    grouping = "_group_tensors_by_device_and_dtype"
-    steps = {cls: cls.step for cls in FAST_STEP_CLASSES}
-    handlers = dict(_compat.custom_op_handlers())
-    assert fast_paths_enabled()
-    assert _our_pre_hooks() == 1
-    set_fast_paths(False)
-    try:
-        assert not fast_paths_enabled()
-        assert _our_pre_hooks() == 0
-        for name in _ENTRY_NAMES:
-            assert getattr(torch, name) is getattr(torch._C._VariableFunctions, name)
-        original = torch.optim.Optimizer.__dict__[grouping]
-        assert type(original) is staticmethod
-        assert original.__func__.__module__ == "torch.optim.optimizer"
-        assert not hasattr(original.__func__, "__wrapped__")
-        for cls in FAST_STEP_CLASSES:
-            assert cls.step is steps[cls]  # never replaced, in either mode
-            assert _step_body(cls) is inspect.unwrap(cls.step)  # torch's undecorated body
-        dtensor_moe.register_strategies()  # keeps them off
-        assert torch._fused_adam_ is torch._C._VariableFunctions._fused_adam_
-        assert dict(_compat.custom_op_handlers()) == handlers  # the correctness handlers stay
-        set_fast_paths(False)  # idempotent
-        assert torch.optim.Optimizer.__dict__[grouping] is original
-    finally:
-        set_fast_paths(True)
-    assert torch.optim.Optimizer.__dict__[grouping] is not original
-    assert torch.optim.Optimizer.__dict__[grouping].__func__.__wrapped__ is original.__func__
-    assert _our_pre_hooks() == 1
-    for cls in FAST_STEP_CLASSES:  # at rest, in either mode: torch's own body (Note [Fast step])
-        assert _step_body(cls) is inspect.unwrap(cls.step)
-    with pytest.raises(TypeError, match=r"set_fast_paths expects True or False, got 'no'"):
-        set_fast_paths("no")
-
-
-def test_step_hooks_survive_switching_after_torch_wrapped_step():
-    # torch wraps Adam.step in its hook wrapper at the first optimizer of the class; switching
-    # the fast paths off and on must neither lose nor double the hooks.
-    from dtensor_moe.optim import set_fast_paths
-
-    p = torch.nn.Parameter(torch.ones(3))
-    p.grad = torch.ones(3)
-    opt = torch.optim.Adam([p], lr=0.1)
-    calls = []
-    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
-    opt.register_step_post_hook(lambda *_: calls.append("post"))
-    for enabled in (False, True):
-        set_fast_paths(enabled)
-        opt.step()
-    assert calls == ["pre", "post"] * 2
-    assert getattr(torch.optim.Adam.step, "hooked", False)
-
-
-def test_fast_entry_passes_plain_tensors_to_torch():
     p, g = [torch.ones(3)], [torch.full((3,), 0.5)]
-    torch._fused_sgd_(p, g, [], weight_decay=0.0, momentum=0.0, lr=0.1, dampening=0.0,
-                      nesterov=False, maximize=False, is_first_step=True)
+    with handler_calls() as calls:
+        torch._fused_sgd_(p, g, [], weight_decay=0.0, momentum=0.0, lr=0.1, dampening=0.0,
+                          nesterov=False, maximize=False, is_first_step=True)
+    assert calls == {}
     assert torch.allclose(p[0], torch.full((3,), 0.95))

@@ -1,4 +1,8 @@
-"""Multi-process (gloo, 4 ranks) tests of fused optimizers over params on several meshes."""
+"""Multi-process (gloo, 4 ranks) tests of fused optimizers over params on several meshes.
+
+Every fused step here reaches dtensor_moe's DTensor handler through torch's own dispatch (the
+tests count the calls): ``import dtensor_moe`` changes nothing else on the way.
+"""
 
 from __future__ import annotations
 
@@ -17,11 +21,12 @@ from tests._optim_cases import (
     OPTIM_CASES,
     build_meshes,
     distribute,
-    fast_paths,
     full_grads,
     full_params,
+    handler_calls,
     make_optimizer,
     partial_grad,
+    plain_copies,
 )
 
 STEPS = 3
@@ -34,77 +39,71 @@ def _comm_counts(mode: CommDebugMode) -> dict:
 
 class FusedOptimizerAcrossMeshesTest(DistTestBase):
     def _reference(self, cls_name, kwargs, impl) -> list:
-        """torch alone on the full tensors: plain params, fast paths off (no code of ours)."""
-        with fast_paths(False):
-            ref = [p.requires_grad_() for p in full_params()]
-            opt_ref = make_optimizer(cls_name, ref, kwargs, impl)
-            for step in range(STEPS):
-                for p, g in zip(ref, full_grads(step)):
-                    p.grad = g
-                opt_ref.step()
-        return ref
-
-    def _run_steps(self, cls_name, kwargs, impl, meshes) -> tuple[list, dict]:
-        """Step DTensor params (in the current fast-paths mode); return them and the
-        optimizer's ``state_dict``."""
-        dt = [p.detach().requires_grad_() for p in distribute(full_params(), meshes)]
-        opt_dt = make_optimizer(cls_name, dt, kwargs, impl)
+        """torch alone on the full tensors: plain params, no code of ours."""
+        ref = [p.requires_grad_() for p in full_params()]
+        opt_ref = make_optimizer(cls_name, ref, kwargs, impl)
         for step in range(STEPS):
-            for p, g in zip(dt, distribute(full_grads(step), meshes)):
+            for p, g in zip(ref, full_grads(step)):
                 p.grad = g
-            opt_dt.step()
-        return dt, opt_dt.state_dict()
-
-    def _assert_same_state(self, on: dict, off: dict, where: str) -> None:
-        """Bit-identical optimizer state with the fast paths on and off, DTensor state on
-        its param's mesh and placements in both."""
-        self.assertEqual(on["param_groups"], off["param_groups"], where)
-        self.assertEqual(on["state"].keys(), off["state"].keys(), where)
-        for idx, state in on["state"].items():
-            self.assertEqual(state.keys(), off["state"][idx].keys(), f"{where} param {idx}")
-            for key, value in state.items():
-                other = off["state"][idx][key]
-                what = f"{where}: state[{idx}][{key!r}], fast paths on vs off"
-                self.assertEqual(type(value), type(other), what)
-                if isinstance(value, DTensor):
-                    self.assertEqual((value.device_mesh, value.placements),
-                                     (other.device_mesh, other.placements), what)
-                    value, other = value.to_local(), other.to_local()
-                self.assertEqual(value, other, atol=0, rtol=0, msg=what)
+            opt_ref.step()
+        return ref
 
     @with_comms
     def test_every_optimizer_matches_single_device(self):
-        # Every case runs with the speed-only patches on and off (Note [Switchable fast paths]):
-        # the two must agree bit for bit, and both with torch alone on the full tensors.
+        # Each case against torch alone on the full tensors (to TOL), and, for fused steps (all
+        # elementwise), bit for bit against torch's fused kernel on plain copies of this rank's
+        # local shards. Each fused step reaches the handler exactly once (one device and dtype),
+        # with the in-place overload torch.optim picks; foreach and for-loop steps never do.
         meshes = build_meshes(self.device_type)
         for label, cls_name, kwargs in OPTIM_CASES:
             for impl in ("fused", "foreach", "forloop"):
                 ref = self._reference(cls_name, kwargs, impl)
-                runs = {}
-                for enabled in (True, False):
-                    with fast_paths(enabled):
-                        runs[enabled] = self._run_steps(cls_name, kwargs, impl, meshes)
-                for on, off in zip(runs[True][0], runs[False][0]):
-                    self.assertEqual(on.to_local(), off.to_local(), atol=0, rtol=0,
-                                     msg=f"{label} ({impl}): fast paths on vs off")
-                self._assert_same_state(runs[True][1], runs[False][1], f"{label} ({impl})")
-                err = max((d.full_tensor() - r).abs().max().item()
-                          for d, r in zip(runs[True][0], ref))
-                self.assertLessEqual(err, TOL, f"{label} ({impl}): max abs error {err}")
+                dt = [p.detach().requires_grad_() for p in distribute(full_params(), meshes)]
+                local = plain_copies(dt)
+                opt_dt = make_optimizer(cls_name, dt, kwargs, impl)
+                opt_local = make_optimizer(cls_name, local, kwargs, impl)
+                with handler_calls() as calls:
+                    for step in range(STEPS):
+                        for p, g in zip(dt, distribute(full_grads(step), meshes)):
+                            p.grad = g
+                        opt_dt.step()
+                for step in range(STEPS):
+                    for p, g in zip(local, distribute(full_grads(step), meshes)):
+                        p.grad = g.to_local()
+                    opt_local.step()
+                where = f"{label} ({impl})"
+                if impl == "fused":
+                    overload = "tensor_lr" if isinstance(kwargs["lr"], torch.Tensor) else "default"
+                    want = {f"aten._fused_{cls_name.lower()}_.{overload}": STEPS}
+                    self.assertEqual(dict(calls), want, where)
+                    for d, p in zip(dt, local):
+                        self.assertEqual(d.to_local(), p.detach(), atol=0, rtol=0, msg=where)
+                    for d, p in zip(dt, local):
+                        for key, value in opt_dt.state[d].items():
+                            if isinstance(value, DTensor):  # the state keeps its param's layout
+                                self.assertEqual((value.device_mesh, value.placements),
+                                                 (d.device_mesh, d.placements), where)
+                            self.assertEqual(value.to_local() if isinstance(value, DTensor)
+                                             else value, opt_local.state[p][key],
+                                             atol=0, rtol=0, msg=f"{where}: {key}")
+                else:
+                    self.assertEqual(dict(calls), {}, where)
+                err = max((d.full_tensor() - r).abs().max().item() for d, r in zip(dt, ref))
+                self.assertLessEqual(err, TOL, f"{where}: max abs error {err}")
 
     @with_comms
     def test_fused_step_issues_no_collective(self):
         meshes = build_meshes(self.device_type)
         counts = {}
-        for (label, cls_name, kwargs), enabled in itertools.product(OPTIM_CASES, (True, False)):
+        for label, cls_name, kwargs in OPTIM_CASES:
             params = [p.requires_grad_() for p in distribute(full_params(), meshes)]
             opt = make_optimizer(cls_name, params, kwargs, "fused")
             for step in range(2):  # the first step creates state, the second reuses it
                 for p, g in zip(params, distribute(full_grads(step), meshes)):
                     p.grad = g
-                with fast_paths(enabled), CommDebugMode() as mode:
+                with CommDebugMode() as mode:
                     opt.step()
-                counts[f"{label}/step{step}/fast={enabled}"] = mode.get_total_counts()
+                counts[f"{label}/step{step}"] = mode.get_total_counts()
         self.assertEqual(set(counts.values()), {0}, counts)
         self.assertExpectedInline(str(sum(counts.values())), """0""")
 
@@ -134,7 +133,7 @@ class FusedOptimizerAcrossMeshesTest(DistTestBase):
                 )
             if step == 2:
                 # the same DTensor object changes layout in place (as FSDP2 may swap internals):
-                # the aligned-slot cache must notice the new spec
+                # the handler must see the new spec
                 from dtensor_moe import _compat
 
                 sq = opt_dt.state[dt[0]]["exp_avg_sq"]

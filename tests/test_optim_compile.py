@@ -4,11 +4,11 @@ torch never traces a fused optimizer: dynamo wraps ``torch.optim.adam._fused_ada
 SGD/Adagrad twins in ``torch.compiler.disable`` when it starts, so under ``torch.compile`` the
 fused kernel call (and everything of dtensor_moe it reaches) runs eagerly, and the code around
 it is traced. These tests pin what that gives over DTensor params on three meshes (plus a plain
-param in the same group), for every fused optimizer, with the fast paths on and off: the params
-and optimizer state of torch alone stepping the local shards eagerly, bit for bit, over 3 steps,
-with no collective; the graph breaks and frames; a misaligned slot redistributed on its own
-mesh; and the errors (a cross-mesh slot, ``fullgraph=True``), raised before any param or state
-tensor is changed. See "torch.compile" in docs/optimizers.md.
+param in the same group), for every fused optimizer: the params and optimizer state of torch
+alone stepping the local shards eagerly, bit for bit, over 3 steps, with no collective and one
+call of the handler per step; the graph breaks and frames; a misaligned slot redistributed on
+its own mesh; and the errors (a cross-mesh slot, ``fullgraph=True``), raised before any param or
+state tensor is changed. See "torch.compile" in docs/optimizers.md.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from tests._dist import DistTestBase
 from tests._optim_cases import (
     build_meshes,
     distribute,
-    fast_paths,
     full_grads,
     full_params,
+    handler_calls,
     partial_grad,
 )
 
@@ -40,12 +40,11 @@ CASES = {
     "SGD": {"lr": 0.1, "momentum": 0.9, "nesterov": True},
     "Adagrad": {"lr": 0.1, "lr_decay": 0.01},
 }
-# (optimizer, how, fast paths on?). how: 'method' is torch.compile(opt.step), 'function' a
-# compiled function that calls opt.step(). Both forms with the fast paths on (Adam's function
-# form is AdamW's: AdamW inherits Adam.step), torch.compile(opt.step) with them off too.
-MAIN_CASES = [(c, "method", True) for c in CASES] + [
-    (c, "function", True) for c in ("AdamW", "SGD", "Adagrad")
-] + [(c, "method", False) for c in CASES]
+# (optimizer, how). how: 'method' is torch.compile(opt.step), 'function' a compiled function
+# that calls opt.step() (Adam's function form is AdamW's: AdamW inherits Adam.step).
+MAIN_CASES = [(c, "method") for c in CASES] + [
+    (c, "function") for c in ("AdamW", "SGD", "Adagrad")
+]
 INDUCTOR_CASE = ("Adagrad", "function")  # every other case compiles with aot_eager
 
 
@@ -148,10 +147,11 @@ class CompiledFusedStepTest(DistTestBase):
 
     def _compiled_steps(self, meshes, cls_name: str, how: str, layout: str = "mixed",
                         backend: str = "aot_eager"):
-        """Step a fresh optimizer 3 times through a compiled step, beside torch alone (fast
-        paths off, eager) on plain copies of this rank's local shards: the reference runs no
-        code of ours. Returns (params, opt, ref, ref_opt) and the (graphs, graph breaks,
-        frames) after each step. Every compiled step must issue no collective."""
+        """Step a fresh optimizer 3 times through a compiled step, beside torch alone (eager)
+        on plain copies of this rank's local shards: the reference runs no code of ours.
+        Returns (params, opt, ref, ref_opt) and the (graphs, graph breaks, frames) after each
+        step. Every compiled step must issue no collective and, where a param is a DTensor,
+        reach the handler once."""
         torch._dynamo.reset()
         counters.clear()
         params = self._params(meshes, layout)
@@ -163,15 +163,16 @@ class CompiledFusedStepTest(DistTestBase):
             self._set_grads(meshes, params, i, layout)
             local_grads.append([_local(p.grad).clone() for p in params])
             before = _collectives(meshes)
-            step()
+            with handler_calls() as calls:
+                step()
             self.assertEqual(_collectives(meshes), before, f"{cls_name} {layout}: collectives")
+            self.assertEqual(sum(calls.values()), int(layout != "plain"), f"{cls_name} {layout}")
             per_step.append(_counts())
         ref_opt = _make_optimizer(cls_name, ref)
-        with fast_paths(False):
-            for grads in local_grads:
-                for r, g in zip(ref, grads):
-                    r.grad = g
-                ref_opt.step()
+        for grads in local_grads:
+            for r, g in zip(ref, grads):
+                r.grad = g
+            ref_opt.step()
         return (params, opt, ref, ref_opt), per_step
 
     def _assert_matches_reference(self, params, opt, ref, ref_opt, where: str) -> None:
@@ -195,40 +196,33 @@ class CompiledFusedStepTest(DistTestBase):
     def test_compiled_step_matches_eager_torch(self):
         meshes = build_meshes(self.device_type)
         counts = {}
-        for cls_name, how, enabled in MAIN_CASES:
+        for cls_name, how in MAIN_CASES:
             backend = "inductor" if (cls_name, how) == INDUCTOR_CASE else "aot_eager"
-            where = f"{cls_name} {how} fast={enabled} {backend}"
-            with fast_paths(enabled):
-                run, counts[where] = self._compiled_steps(meshes, cls_name, how,
-                                                          backend=backend)
+            where = f"{cls_name} {how} {backend}"
+            run, counts[where] = self._compiled_steps(meshes, cls_name, how, backend=backend)
             self._assert_matches_reference(*run, where)
         # (graphs, graph breaks, frames) after each of the 3 steps. No graph: dynamo disables
         # torch.optim's _fused_adam & co., so every fused step runs eagerly, and torch's
         # _use_grad breaks the graph around the step body. Nothing is recompiled after step 1,
         # except that SGD's first step (no momentum buffer yet) takes another branch than the
-        # later ones. The fast paths change none of it: the fast step body is armed by a
-        # pre-hook that does nothing while compiling (Note [Fast step]).
+        # later ones. These are torch's own counts: tests/test_optim_no_harm.py checks that a
+        # plain-tensor step has them without dtensor_moe.
         self.assertExpectedInline(
             "\n".join(f"{k}: {v}" for k, v in counts.items()),
             """\
-Adam method fast=True aot_eager: [(0, 3, 12), (0, 3, 12), (0, 3, 12)]
-AdamW method fast=True aot_eager: [(0, 3, 12), (0, 3, 12), (0, 3, 12)]
-SGD method fast=True aot_eager: [(0, 2, 10), (0, 3, 11), (0, 3, 11)]
-Adagrad method fast=True aot_eager: [(0, 2, 10), (0, 2, 10), (0, 2, 10)]
-AdamW function fast=True aot_eager: [(0, 4, 14), (0, 4, 14), (0, 4, 14)]
-SGD function fast=True aot_eager: [(0, 3, 12), (0, 4, 13), (0, 4, 13)]
-Adagrad function fast=True inductor: [(0, 3, 12), (0, 3, 12), (0, 3, 12)]
-Adam method fast=False aot_eager: [(0, 3, 12), (0, 3, 12), (0, 3, 12)]
-AdamW method fast=False aot_eager: [(0, 3, 12), (0, 3, 12), (0, 3, 12)]
-SGD method fast=False aot_eager: [(0, 2, 10), (0, 3, 11), (0, 3, 11)]
-Adagrad method fast=False aot_eager: [(0, 2, 10), (0, 2, 10), (0, 2, 10)]""",
+Adam method aot_eager: [(0, 3, 12), (0, 3, 12), (0, 3, 12)]
+AdamW method aot_eager: [(0, 3, 12), (0, 3, 12), (0, 3, 12)]
+SGD method aot_eager: [(0, 2, 10), (0, 3, 11), (0, 3, 11)]
+Adagrad method aot_eager: [(0, 2, 10), (0, 2, 10), (0, 2, 10)]
+AdamW function aot_eager: [(0, 4, 14), (0, 4, 14), (0, 4, 14)]
+SGD function aot_eager: [(0, 3, 12), (0, 4, 13), (0, 4, 13)]
+Adagrad function inductor: [(0, 3, 12), (0, 3, 12), (0, 3, 12)]""",
         )
         # the same for params all on one mesh, and for plain params (no DTensor at all)
         for layout in ("one_mesh", "plain"):
-            with fast_paths(True):
-                run, per_step = self._compiled_steps(meshes, "AdamW", "method", layout)
+            run, per_step = self._compiled_steps(meshes, "AdamW", "method", layout)
             self._assert_matches_reference(*run, f"AdamW {layout}")
-            self.assertEqual(per_step, counts["AdamW method fast=True aot_eager"], layout)
+            self.assertEqual(per_step, counts["AdamW method aot_eager"], layout)
 
     @with_comms
     def test_misaligned_slot_is_redistributed_under_compile(self):
@@ -257,15 +251,14 @@ Adagrad method fast=False aot_eager: [(0, 2, 10), (0, 2, 10), (0, 2, 10)]""",
             for key, value in ref_opt.state[r].items():
                 self.assertEqual(_local(opt.state[p][key]), _local(value), atol=0, rtol=0,
                                  msg=f"{key} of param {i}")
-        # ... and like torch alone (fast paths off) on the full tensors, to the tolerance of
+        # ... and like torch alone on the full tensors, to the tolerance of
         # test_fused_optim_dist.py (the Partial pieces sum in another order)
         full = [torch.nn.Parameter(t) for t in _pick(full_params())]
         full_opt = _make_optimizer("AdamW", full)
-        with fast_paths(False):
-            for i in range(STEPS):
-                for f, g in zip(full, _pick(full_grads(i))):
-                    f.grad = g
-                full_opt.step()
+        for i in range(STEPS):
+            for f, g in zip(full, _pick(full_grads(i))):
+                f.grad = g
+            full_opt.step()
         for i, (p, f) in enumerate(zip(params[:-1], full, strict=True)):
             self.assertLessEqual((p.detach().full_tensor() - f.detach()).abs().max().item(), 1e-6,
                                  f"param {i}")

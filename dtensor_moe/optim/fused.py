@@ -17,14 +17,14 @@ A fused optimizer op takes parallel tensor lists: ``self`` (the params), ``grads
   runs, and mutated arguments are written back in their original placements.
 * an entry of the per-param scalar list ``state_steps`` must be 0-dim: ``Replicate`` on the
   param's mesh, or a plain tensor (which is what ``torch.optim`` creates). Only that list may
-  hold 0-dim tensors beside param-shaped params, on every path (this handler, the fast entry
-  and the local grouping of ``fast_step.py``).
+  hold 0-dim tensors beside param-shaped params.
 * global scalars (a tensor ``lr``, ``grad_scale``, ``found_inf``) are plain tensors or
   replicated DTensors; they are passed to the kernel as local tensors and never decide a mesh.
 
 When every slot already agrees, the handler only unwraps local tensors and calls the kernel
-once: no sharding propagation, no collective. Argument positions are read from the op schema
-by name (``state_steps`` is argument 5 for Adam but 3 for Adagrad; SGD has none).
+once: no sharding propagation, no collective (Note [Handler cost]). Argument positions are read
+from the op schema by name (``state_steps`` is argument 5 for Adam but 3 for Adagrad; SGD has
+none).
 
 Note [Out-of-place results]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,13 +50,13 @@ from dtensor_moe import _compat
 __all__ = [
     "FUSED_OPS",
     "FusedOpLayout",
-    "fast_paths_enabled",
     "fused_op_layout",
+    "fused_optimizer_handler",
     "register_strategies",
-    "set_fast_paths",
 ]
 
 logger = logging.getLogger(__name__)
+_REGISTERED = False  # whether register_strategies has logged its first registration
 aten = torch.ops.aten
 _STEPS_ARG = "state_steps"  # the one per-param list of 0-dim tensors (Note [Per-slot rule])
 
@@ -69,6 +70,7 @@ _FUSED_PACKETS = (
     "_fused_adagrad_",
     "_fused_adagrad",
 )
+_IN_PLACE_PACKETS = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
 _OVERLOADS = ("default", "tensor_lr", "out", "tensor_lr_out")
 _GLOBAL_SCALARS = ("lr", "grad_scale", "found_inf")
 
@@ -91,13 +93,17 @@ class FusedOpLayout:
     ``list_args`` holds ``(name, position, kwarg_only)`` for every ``Tensor[]`` argument in
     schema order; the first is always ``self`` (the params). ``scalar_args`` holds the same for
     the global ``Tensor``/``Tensor?`` arguments. ``num_result_lists`` is how many lists the
-    overload returns (0 for in-place and ``.out`` overloads).
+    overload returns (0 for in-place and ``.out`` overloads). ``kernel`` is what the handler calls
+    on the local tensors: for the in-place overloads, torch's Python binding of the op
+    (``torch._fused_adam_`` and friends, which pick the ``default`` or ``tensor_lr`` overload from
+    the type of ``lr`` as the dispatcher did); for the others, the overload itself.
     """
 
     op: torch._ops.OpOverload
     list_args: tuple[tuple[str, int, bool], ...]
     scalar_args: tuple[tuple[str, int, bool], ...]
     num_result_lists: int
+    kernel: Callable
 
 
 @functools.cache
@@ -122,11 +128,15 @@ def fused_op_layout(op: torch._ops.OpOverload) -> FusedOpLayout:
     unknown = [name for name, _, _ in scalar_args if name not in _GLOBAL_SCALARS]
     if unknown:
         raise AssertionError(f"{op}: unexpected global tensor arguments {unknown}")
+    packet = op.overloadpacket.__name__
     return FusedOpLayout(
         op=op,
         list_args=tuple(list_args),
         scalar_args=tuple(scalar_args),
         num_result_lists=len(schema.returns),
+        # the binding parses its arguments in generated C++, where an OpOverload call matches
+        # them against the schema: about 0.15 us less per tensor (Note [Handler cost])
+        kernel=getattr(torch, packet) if packet in _IN_PLACE_PACKETS else op,
     )
 
 
@@ -205,28 +215,78 @@ class _PendingList:
     targets: list
 
 
-def _local_list(op, arg: str, params: list, p_specs, values: list, specs_out):
-    """Localize one tensor list, or validate it and return a :class:`_PendingList`.
+# Note [Handler cost]
+# ~~~~~~~~~~~~~~~~~~~
+# torch.optim calls the fused kernel once per step with every param in its lists, so this handler
+# runs once per step; the aligned case (every slot already follows its param) must cost little
+# next to the kernel, with no cache kept between calls. Per list it reads each DTensor's spec
+# and local tensor once (list comprehensions, which CPython specializes) and compares each slot's
+# mesh (by identity), placements and global shape with its param's. A list whose specs are the
+# very objects of a list already checked in this call (``exp_avg_sqs`` after ``exp_avgs``:
+# torch.optim creates both with ``zeros_like(param)``, and DTensor gives both outputs the spec
+# object of one cached sharding decision) is accepted by one identity pass. Plain ``state_steps``
+# are checked by type and dimension only. The in-place kernel is called through torch's Python
+# binding (``FusedOpLayout.kernel``), and the arguments are copied only where a list or scalar
+# is replaced.
+#
+# Right after the kernel of the step before, these objects are out of the CPU caches, so the
+# comparisons cost about 1 us per slot (the placements' ``__eq__`` is a pybind call) and are the
+# larger part of the handler's time. With 200 small params the handler is roughly 40% of what a
+# step over DTensor params costs more than over plain tensors; the rest is torch's (its dispatch
+# into this handler and torch.optim's Python over DTensor objects; docs/optimizers.md, "What a
+# step over DTensor params costs"). Remembering verified specs between steps would skip the comparisons,
+# but the whole optimizer step is under 1% of a training step of the MoE demo, so no cache
+# earns its keep here.
+_PLAIN_STEP_TYPES = frozenset({torch.Tensor})
 
-    The fast path is a few C-level passes (Note [Aligned-slot cache]); no communication
+
+def _aligned(p_specs: list, v_specs: list, checked: list[list]) -> bool:
+    """Whether slot i of ``v_specs`` has ``p_specs[i]``'s mesh, placements and global shape, for
+    every i (see Note [Handler cost]). ``checked`` holds the spec lists already found aligned in
+    this call, the params' first; a list found aligned is added to it."""
+    for ref in checked:
+        if all(map(operator.is_, v_specs, ref)):
+            return True
+    try:
+        for p, v in zip(p_specs, v_specs):
+            if v is not p and (
+                v.mesh is not p.mesh
+                or v.placements != p.placements
+                or v.tensor_meta.shape != p.tensor_meta.shape
+            ):
+                return False
+    except AttributeError:  # a spec without tensor metadata: the careful path decides
+        return False
+    checked.append(v_specs)
+    return True
+
+
+def _plain_steps(values: list) -> bool:
+    """Whether ``values`` are plain 0-dim tensors, as ``torch.optim`` creates ``state_steps``."""
+    return set(map(type, values)) <= _PLAIN_STEP_TYPES and not any(map(torch.Tensor.dim, values))
+
+
+def _local_list(op, arg: str, params: list, p_specs, values: list, checked: list, specs_out):
+    """The local tensors of one tensor list, or a :class:`_PendingList` to align slot by slot.
+
+    The aligned case is a few passes over the list (Note [Handler cost]). No communication
     happens here, so every error is raised before the first collective of the step.
     """
-    if len(values) == 0:
-        return []
-    if values is params and p_specs is not None:  # the params themselves: nothing to align
-        if specs_out is not None:
-            specs_out.extend(p_specs)
-        return _compat.local_tensors(values)
     if len(values) != len(params):
         raise ValueError(
             f"{op}: '{arg}' has {len(values)} tensors but 'self' has {len(params)} params; "
             "each list must be empty or have one tensor per param."
         )
-    fast = _compat.locals_if_aligned(
-        p_specs, values, specs_out, slot_key=(op, arg), scalars=arg == _STEPS_ARG
-    )
-    if fast is not None:
-        return fast
+    if arg == _STEPS_ARG and _plain_steps(values):
+        if specs_out is not None:
+            specs_out.extend([None] * len(values))
+        return values
+    if p_specs is not None:
+        v_specs = _compat.dtensor_specs(values)
+        if v_specs is not None and _aligned(p_specs, v_specs, checked):
+            if specs_out is not None:
+                specs_out.extend(v_specs)
+            return _compat.local_tensors(values)
     targets = [_slot_target(op, arg, i, p, v) for i, (p, v) in enumerate(zip(params, values))]
     return _PendingList(params=params, values=values, targets=targets)
 
@@ -287,22 +347,19 @@ def _wrap_results(result, specs_per_list: list) -> list:
     return wrapped
 
 
-def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict, kernel=None):
+def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict):
     """DTensor handler for every fused optimizer overload; see Note [Per-slot rule].
-
-    ``kernel`` is what runs on the local tensors: ``op`` itself by default, or the equivalent
-    ``torch._fused_*_`` function, whose Python binding is cheaper than an OpOverload call (see
-    Note [Fused fast entry]).
 
     Communication: none when every slot already has its param's placements; otherwise the
     redistributions that align those slots, each on its own param's mesh.
     """
     layout = fused_op_layout(op)
-    new_args, new_kwargs = list(args), dict(kwargs)
     params = _get_arg(args, kwargs, *layout.list_args[0])
-    p_specs = _compat.dtensor_specs(params, canonical_key=op)
+    p_specs = _compat.dtensor_specs(params)
+    new_args, new_kwargs = list(args), kwargs
     specs_per_list: list[list] = []
     pending: list[tuple] = []
+    checked = [p_specs]
     for name, pos, kwarg_only in layout.list_args:  # validate everything, no communication
         values = _get_arg(args, kwargs, name, pos, kwarg_only)
         if values is None:
@@ -310,150 +367,46 @@ def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict
         specs = [] if len(specs_per_list) < layout.num_result_lists else None
         if specs is not None:
             specs_per_list.append(specs)
-        local = _local_list(op, name, params, p_specs, values, specs)
+        if not values:
+            continue
+        if values is params and p_specs is not None:  # the params themselves
+            local = _compat.local_tensors(params)
+            if specs is not None:
+                specs.extend(p_specs)
+        else:
+            local = _local_list(op, name, params, p_specs, values, checked, specs)
+        if kwarg_only and new_kwargs is kwargs:
+            new_kwargs = dict(kwargs)
         if isinstance(local, _PendingList):
             pending.append((name, pos, kwarg_only, local, specs))
         else:
             _set_arg(new_args, new_kwargs, name, pos, kwarg_only, local)
     for name, pos, kwarg_only in layout.scalar_args:
         value = _get_arg(args, kwargs, name, pos, kwarg_only)
-        if value is not None:
+        if isinstance(value, DTensor):
+            if kwarg_only and new_kwargs is kwargs:
+                new_kwargs = dict(kwargs)
             _set_arg(new_args, new_kwargs, name, pos, kwarg_only, _local_scalar(op, name, value))
     write_backs: list[_WriteBack] = []
     for name, pos, kwarg_only, plan, specs in pending:  # then align, each on its own mesh
         _set_arg(new_args, new_kwargs, name, pos, kwarg_only, _resolve(plan, write_backs, specs))
-    result = (kernel or op)(*new_args, **new_kwargs)
+    result = layout.kernel(*new_args, **new_kwargs)
     _write_back(write_backs)
     if layout.num_result_lists == 0:
         return result
     return _wrap_results(result, specs_per_list)
 
 
-# Note [Fused fast entry]
-# ~~~~~~~~~~~~~~~~~~~~~~~
-# ``torch.optim`` calls ``torch._fused_adam_`` (and the AdamW, SGD and Adagrad twins) once per
-# step. With DTensor args that call goes through DTensor's generic ``__torch_dispatch__``, which
-# boxes every tensor of every list before it reaches our handler: about as much time as the
-# kernel itself for 200 small params. We wrap those four torch functions: when no autograd
-# graph is being recorded, nothing is being compiled and a param is a DTensor, the wrapper calls
-# :func:`fused_optimizer_handler` directly with the overload the binding would have picked.
-# Everything else (plain tensors, grad mode, tracing) goes to torch's original function, whose
-# DTensor dispatch reaches the same handler, so results are identical either way.
-_FAST_ENTRY_NAMES = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
-
-
-def _has_dtensor(params: list) -> bool:
-    if not params:
-        return False
-    return type(params[0]) is DTensor or DTensor in set(map(type, params))
-
-
-def _make_fast_entry(name: str):
-    packet = getattr(aten, name)
-
-    def make(original):
-        def fused_entry(*args, **kwargs):
-            if (
-                torch.compiler.is_compiling()  # first: dynamo then traces nothing else here
-                or not args
-                or torch.is_grad_enabled()
-                or not _has_dtensor(args[0])
-            ):
-                return original(*args, **kwargs)
-            op = packet.tensor_lr if isinstance(kwargs.get("lr"), torch.Tensor) else packet.default
-            return fused_optimizer_handler(op, args, kwargs, kernel=original)
-
-        fused_entry.__name__ = fused_entry.__qualname__ = name
-        fused_entry.__doc__ = f"dtensor_moe fast entry for torch.{name}; see docs/optimizers.md."
-        fused_entry.__wrapped__ = original
-        return fused_entry
-
-    return make
-
-
-# Note [Switchable fast paths]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The import makes two kinds of global change (listed in docs/optimizers.md):
-#
-# * correctness: DTensor's custom-op handler for every fused optimizer overload (Note [Per-slot
-#   rule]) and for GradScaler's inf check (Note [GradScaler across meshes]). Without them, fused
-#   optimizers fail or silently disagree across meshes; they are always installed.
-# * speed only: the fast entry (Note [Fused fast entry]), the fast step body and the local
-#   grouping (Note [Fast step], Note [Local grouping]). Results are bit-identical with and
-#   without them (tests run both ways). ``DTENSOR_MOE_FAST_PATHS=0`` in the environment at
-#   import leaves them out; :func:`set_fast_paths` installs or removes them at run time, and
-#   removing puts torch's own objects back (``torch._fused_adam_ is`` torch's function again).
-_FAST_PATHS_ENV = "DTENSOR_MOE_FAST_PATHS"
-_ENV_OFF = ("0", "false", "off", "no")
-_ENV_ON = ("", "1", "true", "on", "yes")
-
-
-def _fast_paths_from_env() -> bool:
-    raw = os.environ.get(_FAST_PATHS_ENV, "")
-    value = raw.strip().lower()
-    if value not in _ENV_OFF + _ENV_ON:
-        raise ValueError(
-            f"{_FAST_PATHS_ENV}={raw!r} is not understood; set it to 0 to leave dtensor_moe's "
-            "speed-only patches out, or to 1 (or leave it unset) to install them."
-        )
-    return value in _ENV_ON
-
-
-_FAST_PATHS = _fast_paths_from_env()
-_REGISTERED = False
-
-
-def fast_paths_enabled() -> bool:
-    """Whether dtensor_moe's speed-only patches are installed (Note [Switchable fast paths])."""
-    return _FAST_PATHS
-
-
-def set_fast_paths(enabled: bool) -> None:
-    """Install (``True``) or remove (``False``) the speed-only patches, at run time.
-
-    Removing them restores the very objects torch shipped: ``torch._fused_adam_``,
-    ``torch._fused_adamw_``, ``torch._fused_sgd_``, ``torch._fused_adagrad_``,
-    ``torch.optim.Optimizer._group_tensors_by_device_and_dtype`` and the body of ``step`` of
-    Adam/AdamW, SGD and Adagrad. The DTensor handlers (needed for correctness) stay. Results are
-    bit-identical either way; only the per-step overhead over DTensor params changes. Call it
-    between steps, not from inside one. See Note [Switchable fast paths].
-    """
-    global _FAST_PATHS
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_fast_paths expects True or False, got {enabled!r}")
-    _FAST_PATHS = enabled
-    if enabled:
-        _install_fast_paths()
-    else:
-        _uninstall_fast_paths()
-
-
-def _install_fast_paths() -> None:
-    from dtensor_moe.optim.fast_step import install_fast_step
-
-    for name in _FAST_ENTRY_NAMES:
-        _compat.patch_torch_function(name, _make_fast_entry(name))
-    install_fast_step()
-
-
-def _uninstall_fast_paths() -> None:
-    from dtensor_moe.optim.fast_step import uninstall_fast_step
-
-    for name in _FAST_ENTRY_NAMES:
-        _compat.unpatch_torch_function(name)
-    uninstall_fast_step()
-
-
 def register_strategies() -> None:
     """Install the DTensor handlers for every fused optimizer overload (idempotent).
 
-    Called when ``dtensor_moe`` is imported. Replaces torch's own rules for the fused Adam and
-    AdamW overloads (logged at INFO) and adds the missing SGD, Adagrad and ``.out`` ones, plus
-    the GradScaler inf-check handler of :mod:`dtensor_moe.optim.scaler`. Unless the fast paths
-    are off (Note [Switchable fast paths]), also wraps the four in-place ``torch._fused_*_``
-    entry points (Note [Fused fast entry]), the body of ``step`` of Adam, AdamW, SGD and Adagrad
-    and torch.optim's tensor grouping (Note [Fast step] in ``fast_step.py``). Clears DTensor's
-    sharding-propagation cache so the change takes effect at once.
+    Called when ``dtensor_moe`` is imported. DTensor consults its handler table before its
+    sharding rules, so the handler takes over the fused Adam and AdamW overloads from torch's
+    rules (which stay registered; logged at INFO) and covers the SGD, Adagrad, out-of-place and
+    ``.out`` ones that have none. Also installs the GradScaler inf-check handler of
+    :mod:`dtensor_moe.optim.scaler`. These entries of DTensor's handler table are the only
+    change it makes to torch (docs/optimizers.md, "Everything the import changes"). Clears
+    DTensor's sharding-propagation cache so the change takes effect at once.
     """
     global _REGISTERED
     from dtensor_moe.optim.scaler import register_found_inf_handler
@@ -463,14 +416,11 @@ def register_strategies() -> None:
     for op in FUSED_OPS:
         handlers[op] = fused_optimizer_handler
     register_found_inf_handler()
-    if _FAST_PATHS:
-        _install_fast_paths()
     if not _REGISTERED:
         logger.info(
             "dtensor_moe: installed DTensor handlers for %d fused optimizer overloads "
             "(replacing custom handlers of %s; torch's sharding rules for fused Adam/AdamW "
-            "are bypassed); speed-only patches %s", len(FUSED_OPS),
-            [str(op) for op in replaced] or "none", "on" if _FAST_PATHS else "off",
+            "are bypassed)", len(FUSED_OPS), [str(op) for op in replaced] or "none",
         )
     _REGISTERED = True
     _compat.clear_sharding_prop_cache()

@@ -2,11 +2,14 @@
 pp2 x dp2 with EP2 inside each stage (no router losses, no FSDP), against one process that
 accumulates the same global micro-batches.
 
-The model is split the torchtitan way: each stage is a full copy with the other stage's modules
-deleted, so its names are the model's. Two pipelines (dp ranks 0 and 1 of each stage) run the
-schedule on their halves of every micro-batch; the experts of a stage exchange tokens across the
-two pipelines (EP over the stage's dp ranks). Losses and every param gradient must match the
-single-process run within 1e-5 relative (fp32), and so must the counters of every router.
+The model (4 blocks) is split the torchtitan way: each stage is a full copy with the other
+stages' modules deleted, so its names are the model's. ``ScheduleGPipe`` and ``Schedule1F1B`` run
+2 stages (one per rank); ``ScheduleInterleaved1F1B`` and the zero-bubble V schedules run 4 (two
+per rank, looped or V-shaped; the zero-bubble ones split each backward into input and weight
+gradients). Two pipelines (dp ranks 0 and 1 of each stage) run the schedule on their halves of
+every micro-batch; the experts of a stage exchange tokens across the two pipelines (EP over the
+stage's dp ranks). Losses and every param gradient must match the single-process run within
+1e-5 relative (fp32), and so must the counters of every router.
 
 Shape legend: b sequences per micro-batch and dp rank, L tokens per sequence, D dim, V vocab.
 """
@@ -21,7 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
@@ -33,19 +43,18 @@ from tests._dist import DistTestBase
 from tests._moe_model import DIM, VOCAB, Block, moe_config
 from tests.test_parallel_moe import close
 
-N_MICRO, b, L = 4, 2, 6
-STAGE_LAYERS = (("0",), ("1",))
+N_MICRO, b, L, NUM_LAYERS = 4, 2, 6, 4
 
 
 class PipeLM(nn.Module):
     """Embedding, blocks in a ModuleDict keyed by index, norm and head; a stage deletes what
-    another stage holds (``None`` modules are skipped)."""
+    other stages hold (``None`` modules are skipped)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed: nn.Module | None = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({name: Block(moe_config()) for (name,) in STAGE_LAYERS})
+        self.layers = nn.ModuleDict({str(i): Block(moe_config()) for i in range(NUM_LAYERS)})
         self.norm: nn.Module | None = nn.RMSNorm(DIM)
         self.head: nn.Module | None = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -59,15 +68,19 @@ class PipeLM(nn.Module):
         return h
 
 
-def stage_module(full: PipeLM, pp_rank: int) -> PipeLM:
-    stage = copy.deepcopy(full)
-    for name in STAGE_LAYERS[1 - pp_rank]:
-        del stage.layers[name]
-    if pp_rank == 0:
-        stage.norm = stage.head = None
-    else:
-        stage.embed = None
-    return stage
+def stage_module(full: PipeLM, stage: int, num_stages: int) -> PipeLM:
+    """Stage ``stage`` of ``num_stages``: its share of the layers, the embedding on the first
+    stage and the norm and head on the last."""
+    module = copy.deepcopy(full)
+    per_stage = NUM_LAYERS // num_stages
+    for i in range(NUM_LAYERS):
+        if i // per_stage != stage:
+            del module.layers[str(i)]
+    if stage != 0:
+        module.embed = None
+    if stage != num_stages - 1:
+        module.norm = module.head = None
+    return module
 
 
 def loss_fn(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
@@ -80,32 +93,45 @@ def tokens(dp: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (dp * N_MICRO * b, L + 1), generator=gen)
 
 
+def stages_of(pp_rank: int, pp: int, style: str) -> list[int]:
+    """The stages a rank runs: one (``"single"``), or two placed ``"loop"`` (interleaved
+    schedules) or ``"v"`` (zero-bubble V schedules) as torch's schedules expect."""
+    if style == "single":
+        return [pp_rank]
+    return [pp_rank, pp_rank + pp] if style == "loop" else [pp_rank, 2 * pp - 1 - pp_rank]
+
+
 class PipelineScheduleTest(DistTestBase):
-    def _check(self, schedule_cls) -> None:
+    def _check(self, schedule_cls, style: str) -> None:
         meshes = build_moe_meshes(pp=2, dp=2, ep=2, device_type="cpu")
+        indices = stages_of(meshes.pp_rank, meshes.pp, style)
+        num_stages = meshes.pp * len(indices)
         full = PipeLM()
         ref = copy.deepcopy(full)
-        stage = parallelize_moe(stage_module(full, meshes.pp_rank), meshes,
-                                sequence_parallel=False)
-        first = meshes.pp_rank == 0
         meta = dict(device="meta")
         hidden = torch.empty(b, L, DIM, **meta, requires_grad=True)  # crosses stages with grad
-        pipe_stage = PipelineStage(
-            stage, meshes.pp_rank, meshes.pp, torch.device("cpu"),
-            input_args=torch.empty(b, L, dtype=torch.long, **meta) if first else hidden,
-            output_args=hidden if first else torch.empty(b, L, VOCAB, **meta, requires_grad=True),
-            group=meshes.pp_mesh.get_group(),
-        )
-        schedule = schedule_cls(pipe_stage, N_MICRO, loss_fn=loss_fn)
+        modules, stages = [], []
+        for index in indices:
+            module = parallelize_moe(stage_module(full, index, num_stages), meshes,
+                                     sequence_parallel=False)
+            last = index == num_stages - 1
+            stages.append(PipelineStage(
+                module, index, num_stages, torch.device("cpu"),
+                input_args=torch.empty(b, L, dtype=torch.long, **meta) if index == 0 else hidden,
+                output_args=torch.empty(b, L, VOCAB, **meta, requires_grad=True) if last else hidden,
+                group=meshes.pp_mesh.get_group(),
+            ))
+            modules.append(module)
+        schedule = (schedule_cls(stages[0], N_MICRO, loss_fn=loss_fn) if style == "single"
+                    else schedule_cls(stages, N_MICRO, loss_fn=loss_fn))
 
         T = tokens(meshes.dp)
         d = meshes.dense.get_local_rank("dp")
         local = T[d * N_MICRO * b : (d + 1) * N_MICRO * b]
         losses: list[torch.Tensor] = []
-        if first:
-            schedule.step(local[:, :-1])
-        else:
-            schedule.step(target=local[:, 1:], losses=losses)
+        has_last = num_stages - 1 in indices
+        targets = dict(target=local[:, 1:], losses=losses) if has_last else {}
+        schedule.step(*([local[:, :-1]] if 0 in indices else []), **targets)
 
         # the reference: the global micro-batch m is every dp rank's m-th chunk
         ref_losses = []
@@ -116,34 +142,53 @@ class PipelineScheduleTest(DistTestBase):
             (loss / N_MICRO).backward()
             ref_losses.append(loss.detach())
 
+        what = schedule_cls.__name__
         dp_group = meshes.dense.get_group("dp")
-        if not first:
+        if has_last:
             got = torch.stack(losses).detach()
             dist.all_reduce(got, group=dp_group)
-            close(got / meshes.dp, torch.stack(ref_losses), f"{schedule_cls.__name__} losses")
+            close(got / meshes.dp, torch.stack(ref_losses), f"{what} losses")
         ref_params = dict(ref.named_parameters())
-        names = [name for name, _ in stage.named_parameters()]
-        self.assertTrue(any(".moe.experts." in n for n in names), names)
-        for name, param in stage.named_parameters():
-            grad = param.grad
-            if isinstance(grad, DTensor):
-                # routed experts, Shard(0) on ep: every token of the stage reached them already
-                grad = grad.full_tensor()
-            else:
-                grad = grad.clone()
-                dist.all_reduce(grad, group=dp_group)
-            close(grad / meshes.dp, ref_params[name].grad, f"{schedule_cls.__name__} {name}")
-        stats = load_stats(stage, meshes=meshes)
-        self.assertEqual(stats, load_stats(ref, process_group="local"), schedule_cls.__name__)
-        self.assertEqual([s.name for s in stats], ["layers.0.moe", "layers.1.moe"])
+        checked = []
+        for module in modules:
+            for name, param in module.named_parameters():
+                grad = param.grad
+                self.assertIsNotNone(grad, f"{what} {name}")
+                if isinstance(grad, DTensor):
+                    # routed experts, Shard(0) on ep: every token of the stage reached them
+                    grad = grad.full_tensor()
+                else:
+                    grad = grad.clone()
+                    dist.all_reduce(grad, group=dp_group)
+                close(grad / meshes.dp, ref_params[name].grad, f"{what} {name}")
+                checked.append(name)
+        self.assertEqual(len(checked), len({n for m in modules for n, _ in m.named_parameters()}))
+        self.assertTrue(any(".moe.experts." in n for n in checked), checked)
+        # every token routed as in one process: the counters of every router agree
+        stats = sorted(load_stats(modules, meshes=meshes), key=lambda layer: layer.name)
+        self.assertEqual(stats, load_stats(ref, process_group="local"), what)
+        self.assertEqual([s.name for s in stats], [f"layers.{i}.moe" for i in range(NUM_LAYERS)])
 
     @with_comms
     def test_gpipe(self):
-        self._check(ScheduleGPipe)
+        self._check(ScheduleGPipe, "single")
 
     @with_comms
     def test_1f1b(self):
-        self._check(Schedule1F1B)
+        self._check(Schedule1F1B, "single")
+
+    @with_comms
+    def test_interleaved_1f1b(self):
+        self._check(ScheduleInterleaved1F1B, "loop")
+
+    @with_comms
+    def test_zero_bubble_v(self):
+        # backward split into input and weight gradients (torch walks the autograd graph)
+        self._check(ScheduleZBVZeroBubble, "v")
+
+    @with_comms
+    def test_dualpipe_v(self):
+        self._check(ScheduleDualPipeV, "v")
 
 
 if __name__ == "__main__":

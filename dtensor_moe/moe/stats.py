@@ -19,7 +19,9 @@ different ``E``): a tensor collective would need a common size that no rank know
 names and its flat int counters (routed, then dropped, as :func:`_counters` lays them out);
 every rank then sums the counters of each stage over that stage's ranks (each token counted on
 exactly one rank of the stage, Note [Counters under pipeline parallelism] in ``balance.py``)
-and lists the stages in order. torch runs ``all_gather_object`` as two ``all_gather`` calls,
+and lists the layers by ``pp_rank``, then in the order each rank holds them (a rank that runs
+several stages, under an interleaved or V-shaped schedule, passes its stage modules as a
+sequence, so one call still runs one collective). torch runs ``all_gather_object`` as two ``all_gather`` calls,
 the payload sizes then the payloads. The names are the stage modules' own names, optionally
 behind ``prefix``; they must be unique across the model, which holds when each stage module
 keeps the full model's names (a full model copy with the other stages' layers deleted, layers in
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -111,12 +114,18 @@ class LayerLoad:
         )
 
 
-def _named_routers(model: nn.Module) -> list[tuple[str, TokenChoiceTopKRouter]]:
+def _named_routers(
+    model: nn.Module | Sequence[nn.Module], prefix: str = ""
+) -> list[tuple[str, TokenChoiceTopKRouter]]:
+    """``(prefix + owner name, router)`` of every router of ``model`` (of each module in turn
+    when it is a sequence of modules: the stages a rank runs under an interleaved schedule)."""
+    models = [model] if isinstance(model, nn.Module) else list(model)
     named = []
-    for name, module in model.named_modules():
-        if isinstance(module, TokenChoiceTopKRouter):
-            owner, _, child = name.rpartition(".")
-            named.append((owner if child == "router" else name, module))
+    for part in models:
+        for name, module in part.named_modules():
+            if isinstance(module, TokenChoiceTopKRouter):
+                owner, _, child = name.rpartition(".")
+                named.append((prefix + (owner if child == "router" else name), module))
     return named
 
 
@@ -136,7 +145,7 @@ def _group(process_group: object) -> dist.ProcessGroup | None:
 
 
 def load_stats(
-    model: nn.Module,
+    model: nn.Module | Sequence[nn.Module],
     *,
     process_group: dist.ProcessGroup | Literal["world", "local"] = "world",
     reset: bool = False,
@@ -144,6 +153,9 @@ def load_stats(
     prefix: str = "",
 ) -> list[LayerLoad]:
     """Tokens-per-expert figures of every MoE layer in ``model``, in module order.
+
+    ``model`` is a module, or a sequence of modules taken in turn (the stage modules of one
+    rank under an interleaved or V-shaped pipeline schedule).
 
     Keyword Args:
         process_group: the ranks whose counters are summed. ``"world"`` (default): every
@@ -155,7 +167,8 @@ def load_stats(
         meshes: the :class:`~dtensor_moe.parallel.MoEMeshes` of this rank. With
             ``meshes.pp > 1``, ``model`` is this rank's pipeline stage module and the result
             lists every MoE layer of every stage, stage by stage, the same on every rank
-            (Note [Load stats across pipeline stages]); a stage may hold no MoE layer. With
+            (Note [Load stats across pipeline stages]), ordered by ``pp_rank`` and then as
+            each rank lists them; a stage may hold no MoE layer. With
             ``pp == 1`` it is the default. Leave ``process_group`` at ``"world"`` with it.
         prefix: put in front of every layer name (for a stage module that is a submodule of
             the model, e.g. ``"layers."``).
@@ -175,10 +188,10 @@ def load_stats(
         _check_meshes(meshes, process_group)
         if meshes.pp > 1:
             return _load_stats_across_stages(model, meshes, reset=reset, prefix=prefix)
-    named = [(prefix + name, router) for name, router in _named_routers(model)]
+    named = _named_routers(model, prefix)
     if not named:
         raise ValueError(
-            f"load_stats found no TokenChoiceTopKRouter in {type(model).__name__}; pass the "
+            f"load_stats found no TokenChoiceTopKRouter in {_describe(model)}; pass the "
             "model that holds the MoE layers"
         )
     # every layer's counters (routed, then dropped) in one flat int64 tensor (layers may
@@ -198,6 +211,12 @@ def load_stats(
     ]
 
 
+def _describe(model: nn.Module | Sequence[nn.Module]) -> str:
+    if isinstance(model, nn.Module):
+        return type(model).__name__
+    return "[" + ", ".join(type(m).__name__ for m in model) + "]"
+
+
 def _check_meshes(meshes: object, process_group: object) -> None:
     from dtensor_moe.parallel.mesh import MoEMeshes  # the parallel package imports moe
 
@@ -215,10 +234,10 @@ def _check_meshes(meshes: object, process_group: object) -> None:
 
 
 def _load_stats_across_stages(
-    model: nn.Module, meshes: MoEMeshes, *, reset: bool, prefix: str
+    model: nn.Module | Sequence[nn.Module], meshes: MoEMeshes, *, reset: bool, prefix: str
 ) -> list[LayerLoad]:
     """Note [Load stats across pipeline stages]: one ``all_gather_object`` over the world."""
-    named = [(prefix + name, router) for name, router in _named_routers(model)]
+    named = _named_routers(model, prefix)
     sizes = [r.tokens_per_expert.numel() for _, r in named]
     flat = torch.cat([_counters(r) for _, r in named]).tolist() if named else []
     mine = (meshes.pp_rank, [name for name, _ in named], sizes, flat)
@@ -252,7 +271,7 @@ def _load_stats_across_stages(
     if not loads:
         raise ValueError(
             f"load_stats found no TokenChoiceTopKRouter in any pipeline stage "
-            f"({type(model).__name__} on this rank); pass each stage's module"
+            f"({_describe(model)} on this rank); pass each stage's module"
         )
     return loads
 

@@ -134,7 +134,8 @@ class _Timers:
         self._ops = {}
         if not TORCH_ONLY:
             handlers = custom_op_handlers()
-            for op in (torch.ops.aten._fused_adamw_.default, torch.ops.aten._fused_adamw_.tensor_lr):
+            packet = torch.ops.aten._fused_adamw_
+            for op in (packet.default, packet.tensor_lr):
                 self._ops[op] = handlers[op]
                 handlers[op] = self._timed(handlers[op], self.handler)
         return self

@@ -92,6 +92,40 @@ class FusedOptimizerAcrossMeshesTest(DistTestBase):
                 self.assertLessEqual(err, TOL, f"{where}: max abs error {err}")
 
     @with_comms
+    def test_flattened_and_2d_mesh_reach_the_handler(self):
+        # The layout of PyTorch's own test_admaw_fused_across_meshes (which torch 2.13 passes
+        # alone): an MLP's first layer Shard(0) on the flattened 1-D mesh of a (2, 2) mesh, its
+        # second [Replicate, Shard(0)] on the 2-D mesh. With dtensor_moe each fused step goes
+        # through the handler, and matches AdamW on the full tensors.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh2d = init_device_mesh(self.device_type, (2, 2), mesh_dim_names=("x", "y"))
+        flat = mesh2d["x", "y"]._flatten(mesh_dim_name="xy")
+        layout = [((16, 10), flat, [Shard(0)]), ((16,), flat, [Shard(0)]),
+                  ((5, 16), mesh2d, [Replicate(), Shard(0)]),
+                  ((5,), mesh2d, [Replicate(), Shard(0)])]
+        for kwargs in ({"lr": 0.1, "weight_decay": 0.05},
+                       {"lr": torch.tensor(0.1), "amsgrad": True, "maximize": True}):
+            gen = torch.Generator().manual_seed(0)
+            full = [torch.randn(shape, generator=gen) for shape, _, _ in layout]
+            ref = [t.clone().requires_grad_() for t in full]
+            dt = [distribute_tensor(t, mesh, pl).requires_grad_() for t, (_, mesh, pl)
+                  in zip(full, layout)]
+            opt_ref = torch.optim.AdamW(ref, fused=True, **kwargs)
+            opt_dt = torch.optim.AdamW(dt, fused=True, **{k: v.clone() if isinstance(
+                v, torch.Tensor) else v for k, v in kwargs.items()})
+            with handler_calls() as calls:
+                for _ in range(2):
+                    grads = [torch.randn(shape, generator=gen) for shape, _, _ in layout]
+                    for r, d, g, (_, mesh, pl) in zip(ref, dt, grads, layout):
+                        r.grad, d.grad = g, distribute_tensor(g, mesh, pl)
+                    opt_ref.step()
+                    opt_dt.step()
+            self.assertEqual(sum(calls.values()), 2, kwargs)
+            err = max((d.full_tensor() - r).abs().max().item() for d, r in zip(dt, ref))
+            self.assertLessEqual(err, TOL, kwargs)
+
+    @with_comms
     def test_fused_step_issues_no_collective(self):
         meshes = build_meshes(self.device_type)
         counts = {}

@@ -128,9 +128,10 @@ for name in sys.argv[2:]:
 def namespaces():
     classes = [c for c in vars(torch.optim).values()
                if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)]
-    spaces = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.Parameter": torch.nn.Parameter,
-              "torch.nn.utils": torch.nn.utils, "torch.amp": torch.amp,
-              "torch.amp.GradScaler": torch.amp.GradScaler, "DTensor": DTensor,
+    spaces = {"torch": torch, "torch.Tensor": torch.Tensor,
+              "torch.nn.Parameter": torch.nn.Parameter, "torch.nn.utils": torch.nn.utils,
+              "torch.amp": torch.amp, "torch.amp.GradScaler": torch.amp.GradScaler,
+              "DTensor": DTensor,
               "torch.distributed.tensor": sys.modules["torch.distributed.tensor"],
               "torch.utils._foreach_utils": sys.modules["torch.utils._foreach_utils"]}
     for cls in classes:

@@ -234,9 +234,9 @@ class _PendingList:
 # larger part of the handler's time. With 200 small params the handler is roughly 40% of what a
 # step over DTensor params costs more than over plain tensors; the rest is torch's (its dispatch
 # into this handler and torch.optim's Python over DTensor objects; docs/optimizers.md, "What a
-# step over DTensor params costs"). Remembering verified specs between steps would skip the comparisons,
-# but the whole optimizer step is under 1% of a training step of the MoE demo, so no cache
-# earns its keep here.
+# step over DTensor params costs"). Remembering verified specs between steps would skip the
+# comparisons, but the whole optimizer step is under 1% of a training step of the MoE demo, so
+# no cache earns its keep here.
 _PLAIN_STEP_TYPES = frozenset({torch.Tensor})
 
 

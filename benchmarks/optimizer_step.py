@@ -190,6 +190,8 @@ def _bench_case(num: int, size: int, steps: int, repeats: int, concurrency: int)
         dt_times.append(statistics.median(t_dt))
         plain_times.append(statistics.median(t_plain))
         ratios.append(dt_times[-1] / plain_times[-1])
+        if DEVICE != "cpu":  # the breakdown is thread CPU time: the CPU benchmark's alone
+            continue
         b_dt, b_plain = _timed_turns(opt_dt, opt_plain, steps, concurrency, _timed_breakdown)
         if b_dt:  # this rank stepped: (outside the call, dispatch, handler without the kernel)
             kernel = statistics.median(c for _, c, _ in b_plain)
@@ -206,7 +208,8 @@ def _bench_case(num: int, size: int, steps: int, repeats: int, concurrency: int)
         "plain_ms": statistics.median(plain_times) * 1e3,
         "ratio": statistics.median(ratios),
         "ratios": ratios,
-        "parts_ms": [statistics.median(p[i] for p in parts) * 1e3 for i in range(4)],
+        "parts_ms": [statistics.median(p[i] for p in parts) * 1e3 for i in range(4)]
+        if parts else None,
         "first_dtensor_ms": first_dt * 1e3,
         "first_plain_ms": first_plain * 1e3,
     }
@@ -223,8 +226,9 @@ def _worker(rank: int, port: int, steps: int, repeats: int, modes: list[int]) ->
             for concurrency in modes:
                 case_steps = steps if size < 512 else max(10, steps // 4)
                 res = _bench_case(num, size, case_steps, repeats, concurrency)
-                every = [None] * world
-                dist.all_gather_object(every, res)
+                every = [res] if world == 1 else [None] * world
+                if world > 1:
+                    dist.all_gather_object(every, res)
                 if rank == 0:
                     worst = max(range(world), key=lambda r: every[r]["ratio"])
                     res = every[worst]
@@ -238,6 +242,8 @@ def _worker(rank: int, port: int, steps: int, repeats: int, modes: list[int]) ->
                         f"{res['first_dtensor_ms']:.1f} ms, plain {res['first_plain_ms']:.1f} ms",
                         flush=True,
                     )
+                    if res["parts_ms"] is None:
+                        continue
                     outside, dispatch, handler, kernel = res["parts_ms"]
                     print(
                         f"{'':>14}  DTensor minus plain, per step: torch.optim outside the "

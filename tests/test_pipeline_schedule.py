@@ -1,6 +1,6 @@
 """A tiny MoE language model under ``torch.distributed.pipelining`` schedules, on 4 gloo ranks:
-pp2 x dp2 with EP2 inside each stage (no router losses, no FSDP), against one process that
-accumulates the same global micro-batches.
+pp2 x dp2 with EP2 inside each stage (no router losses), with or without FSDP2, against one
+process that accumulates the same global micro-batches.
 
 The model (4 blocks) is split the torchtitan way: each stage is a full copy with the other
 stages' modules deleted, so its names are the model's. ``ScheduleGPipe`` and ``Schedule1F1B`` run
@@ -38,7 +38,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import with_comm
 
 from dtensor_moe import build_moe_meshes
 from dtensor_moe.moe import load_stats
-from dtensor_moe.parallel import parallelize_moe
+from dtensor_moe.parallel import fully_shard_moe, parallelize_moe
 from tests._dist import DistTestBase
 from tests._moe_model import DIM, VOCAB, Block, moe_config
 from tests.test_parallel_moe import close
@@ -102,7 +102,7 @@ def stages_of(pp_rank: int, pp: int, style: str) -> list[int]:
 
 
 class PipelineScheduleTest(DistTestBase):
-    def _check(self, schedule_cls, style: str) -> None:
+    def _check(self, schedule_cls, style: str, *, fsdp: bool = False) -> None:
         meshes = build_moe_meshes(pp=2, dp=2, ep=2, device_type="cpu")
         indices = stages_of(meshes.pp_rank, meshes.pp, style)
         num_stages = meshes.pp * len(indices)
@@ -114,6 +114,9 @@ class PipelineScheduleTest(DistTestBase):
         for index in indices:
             module = parallelize_moe(stage_module(full, index, num_stages), meshes,
                                      sequence_parallel=False)
+            if fsdp:  # one FSDP group per block, experts on "edp", the rest on "dp"
+                fully_shard_moe(module, meshes, blocks=list(module.layers.values()),
+                                reshard_after_forward=False)
             last = index == num_stages - 1
             stages.append(PipelineStage(
                 module, index, num_stages, torch.device("cpu"),
@@ -154,6 +157,10 @@ class PipelineScheduleTest(DistTestBase):
             for name, param in module.named_parameters():
                 grad = param.grad
                 self.assertIsNotNone(grad, f"{what} {name}")
+                if fsdp:  # FSDP2 reduce-scatters the mean over the stage's dp ranks
+                    close(grad.full_tensor(), ref_params[name].grad, f"{what} {name}")
+                    checked.append(name)
+                    continue
                 if isinstance(grad, DTensor):
                     # routed experts, Shard(0) on ep: every token of the stage reached them
                     grad = grad.full_tensor()
@@ -189,6 +196,16 @@ class PipelineScheduleTest(DistTestBase):
     @with_comms
     def test_dualpipe_v(self):
         self._check(ScheduleDualPipeV, "v")
+
+    # FSDP2 inside each stage. reshard_after_forward=False: with True, torch 2.13's zero-bubble
+    # V schedules leave some dense grads missing or wrong, also in a model without MoE layers
+    @with_comms
+    def test_1f1b_fsdp(self):
+        self._check(Schedule1F1B, "single", fsdp=True)
+
+    @with_comms
+    def test_zero_bubble_v_fsdp(self):
+        self._check(ScheduleZBVZeroBubble, "v", fsdp=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """A tiny MoE language model under ``torch.distributed.pipelining`` schedules, on 4 gloo ranks:
-pp2 x dp2 with EP2 inside each stage (no router losses), with or without FSDP2, against one
+pp2 x dp2 with EP2 inside each stage, with or without FSDP2 and router losses, against one
 process that accumulates the same global micro-batches.
 
 The model (4 blocks) is split the torchtitan way: each stage is a full copy with the other
@@ -9,7 +9,11 @@ per rank, looped or V-shaped; the zero-bubble ones split each backward into inpu
 gradients). Two pipelines (dp ranks 0 and 1 of each stage) run the schedule on their halves of
 every micro-batch; the experts of a stage exchange tokens across the two pipelines (EP over the
 stage's dp ranks). Losses and every param gradient must match the single-process run within
-1e-5 relative (fp32), and so must the counters of every router.
+1e-5 relative (fp32), and so must the counters of every router. With router losses the
+reference adds each micro-batch's collected losses to its loss before dividing by the number of
+micro-batches; the pipeline runs them on the attach route (a schedule computes the loss on the
+last stage only, so a collector on another stage has no loss to add to), and the
+``"global_batch"`` statistics are summed over the stage's ranks for each micro-batch.
 
 Shape legend: b sequences per micro-batch and dp rank, L tokens per sequence, D dim, V vocab.
 """
@@ -36,8 +40,9 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
-from dtensor_moe import build_moe_meshes
-from dtensor_moe.moe import load_stats
+from dtensor_moe import build_moe_meshes, collect_aux_losses
+from dtensor_moe.moe import load_stats, set_aux_loss_group
+from dtensor_moe.moe.config import AuxLossType
 from dtensor_moe.parallel import fully_shard_moe, parallelize_moe
 from tests._dist import DistTestBase
 from tests._moe_model import DIM, VOCAB, Block, moe_config
@@ -50,11 +55,12 @@ class PipeLM(nn.Module):
     """Embedding, blocks in a ModuleDict keyed by index, norm and head; a stage deletes what
     other stages hold (``None`` modules are skipped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, **config) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed: nn.Module | None = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({str(i): Block(moe_config()) for i in range(NUM_LAYERS)})
+        self.layers = nn.ModuleDict({str(i): Block(moe_config(**config))
+                                     for i in range(NUM_LAYERS)})
         self.norm: nn.Module | None = nn.RMSNorm(DIM)
         self.head: nn.Module | None = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -102,18 +108,27 @@ def stages_of(pp_rank: int, pp: int, style: str) -> list[int]:
 
 
 class PipelineScheduleTest(DistTestBase):
-    def _check(self, schedule_cls, style: str, *, fsdp: bool = False) -> None:
+    def _check(
+        self, schedule_cls, style: str, *, fsdp: bool = False, aux: AuxLossType | None = None
+    ) -> None:
+        """``aux``: the balance loss (with a z-loss) on the attach route, whose gradient the
+        schedule's ``scale_grads`` averages over micro-batches; the reference collects it."""
         meshes = build_moe_meshes(pp=2, dp=2, ep=2, device_type="cpu")
         indices = stages_of(meshes.pp_rank, meshes.pp, style)
         num_stages = meshes.pp * len(indices)
-        full = PipeLM()
-        ref = copy.deepcopy(full)
+        losses_config = {} if aux is None else dict(
+            aux_loss_coeff=0.1, aux_loss_type=aux, z_loss_coeff=0.01
+        )
+        full = PipeLM(**losses_config, aux_loss_mode="attach")
+        ref = PipeLM(**losses_config, aux_loss_mode="collect")
         meta = dict(device="meta")
         hidden = torch.empty(b, L, DIM, **meta, requires_grad=True)  # crosses stages with grad
         modules, stages = [], []
         for index in indices:
-            module = parallelize_moe(stage_module(full, index, num_stages), meshes,
-                                     sequence_parallel=False)
+            module = stage_module(full, index, num_stages)
+            if aux == "global_batch":  # per micro-batch: the statistics of the stage's ranks
+                set_aux_loss_group(module, meshes.stage_group)
+            parallelize_moe(module, meshes, sequence_parallel=False)
             if fsdp:  # one FSDP group per block, experts on "edp", the rest on "dp"
                 fully_shard_moe(module, meshes, blocks=list(module.layers.values()),
                                 reshard_after_forward=False)
@@ -141,8 +156,10 @@ class PipelineScheduleTest(DistTestBase):
         for m in range(N_MICRO):
             rows = torch.cat([torch.arange(n * N_MICRO * b + m * b, n * N_MICRO * b + (m + 1) * b)
                               for n in range(meshes.dp)])
-            loss = loss_fn(ref(T[rows, :-1]), T[rows, 1:])
-            (loss / N_MICRO).backward()
+            with collect_aux_losses() as router_losses:
+                logits = ref(T[rows, :-1])
+            loss = loss_fn(logits, T[rows, 1:])
+            ((loss + router_losses.total()) / N_MICRO).backward()
             ref_losses.append(loss.detach())
 
         what = schedule_cls.__name__
@@ -206,6 +223,14 @@ class PipelineScheduleTest(DistTestBase):
     @with_comms
     def test_zero_bubble_v_fsdp(self):
         self._check(ScheduleZBVZeroBubble, "v", fsdp=True)
+
+    @with_comms
+    def test_1f1b_sequence_aux_loss(self):
+        self._check(Schedule1F1B, "single", aux="sequence")
+
+    @with_comms
+    def test_zero_bubble_v_global_batch_aux_loss(self):
+        self._check(ScheduleZBVZeroBubble, "v", aux="global_batch")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,9 @@ class PipelineScheduleTest(DistTestBase):
         for index in indices:
             module = stage_module(full, index, num_stages)
             if aux == "global_batch":  # per micro-batch: the statistics of the stage's ranks
+                with self.assertRaisesRegex(ValueError, r"'global_batch' balance loss .* has 2 "
+                                            r"of the 4 ranks; call .*set_aux_loss_group"):
+                    parallelize_moe(module, meshes, sequence_parallel=False)
                 set_aux_loss_group(module, meshes.stage_group)
             parallelize_moe(module, meshes, sequence_parallel=False)
             if fsdp:  # one FSDP group per block, experts on "edp", the rest on "dp"

@@ -143,8 +143,8 @@ class _Built:
     """One entry of the memo of Note [Mesh memo]: weak references only.
 
     ``dense``/``expert`` are the meshes handed out (stage slices with ``pp > 1``);
-    ``dense_root``/``expert_root`` their roots with the leading ``"pp"`` dim (``pp > 1`` only,
-    else dead references to nothing).
+    ``dense_root``/``expert_root`` their roots with the leading ``"pp"`` dim and
+    ``stage_group`` the group of the stage's ranks (``pp > 1`` only, else ``None``).
     """
 
     world: weakref.ref

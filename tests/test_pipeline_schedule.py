@@ -1,6 +1,7 @@
 """A tiny MoE language model under ``torch.distributed.pipelining`` schedules, on 4 gloo ranks:
-pp2 x dp2 with EP2 inside each stage, with or without FSDP2 and router losses, against one
-process that accumulates the same global micro-batches.
+pp2 x dp2 with EP2 inside each stage (or pp2 x tp2 with EP borrowing the tp ranks), with or
+without FSDP2 and router losses, against one process that accumulates the same global
+micro-batches.
 
 The model (4 blocks) is split the torchtitan way: each stage is a full copy with the other
 stages' modules deleted, so its names are the model's. ``ScheduleGPipe`` and ``Schedule1F1B`` run
@@ -37,6 +38,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
@@ -109,11 +111,19 @@ def stages_of(pp_rank: int, pp: int, style: str) -> list[int]:
 
 class PipelineScheduleTest(DistTestBase):
     def _check(
-        self, schedule_cls, style: str, *, fsdp: bool = False, aux: AuxLossType | None = None
+        self,
+        schedule_cls,
+        style: str,
+        *,
+        fsdp: bool = False,
+        aux: AuxLossType | None = None,
+        tp: int = 1,
     ) -> None:
         """``aux``: the balance loss (with a z-loss) on the attach route, whose gradient the
-        schedule's ``scale_grads`` averages over micro-batches; the reference collects it."""
-        meshes = build_moe_meshes(pp=2, dp=2, ep=2, device_type="cpu")
+        schedule's ``scale_grads`` averages over micro-batches; the reference collects it.
+        ``tp=2``: each stage's 2 ranks run Megatron-style TP of the blocks' MLP (no SP) and EP
+        borrows them, one pipeline in all."""
+        meshes = build_moe_meshes(pp=2, dp=2 // tp, ep=2, tp=tp, device_type="cpu")
         indices = stages_of(meshes.pp_rank, meshes.pp, style)
         num_stages = meshes.pp * len(indices)
         losses_config = {} if aux is None else dict(
@@ -131,6 +141,9 @@ class PipelineScheduleTest(DistTestBase):
                                             r"of the 4 ranks; call .*set_aux_loss_group"):
                     parallelize_moe(module, meshes, sequence_parallel=False)
                 set_aux_loss_group(module, meshes.stage_group)
+            for block in module.layers.values() if tp > 1 else ():
+                parallelize_module(block, meshes.dense["tp"],
+                                   {"up": ColwiseParallel(), "down": RowwiseParallel()})
             parallelize_moe(module, meshes, sequence_parallel=False)
             if fsdp:  # one FSDP group per block, experts on "edp", the rest on "dp"
                 fully_shard_moe(module, meshes, blocks=list(module.layers.values()),
@@ -182,8 +195,9 @@ class PipelineScheduleTest(DistTestBase):
                     checked.append(name)
                     continue
                 if isinstance(grad, DTensor):
-                    # routed experts, Shard(0) on ep: every token of the stage reached them
-                    grad = grad.full_tensor()
+                    # routed experts (Shard(0) on ep: every token of the stage reached them) and
+                    # the TP-sharded weights (a Partial grad is summed over tp)
+                    grad = grad.redistribute(placements=param.placements).full_tensor()
                 else:
                     grad = grad.clone()
                     dist.all_reduce(grad, group=dp_group)
@@ -191,6 +205,10 @@ class PipelineScheduleTest(DistTestBase):
                 checked.append(name)
         self.assertEqual(len(checked), len({n for m in modules for n, _ in m.named_parameters()}))
         self.assertTrue(any(".moe.experts." in n for n in checked), checked)
+        if not fsdp:  # (FSDP2 makes every param a DTensor)
+            sharded = {n for m in modules for n, p in m.named_parameters()
+                       if isinstance(p, DTensor)}
+            self.assertEqual(tp > 1, any(n.endswith(".up.weight") for n in sharded), sharded)
         # every token routed as in one process: the counters of every router agree
         stats = sorted(load_stats(modules, meshes=meshes), key=lambda layer: layer.name)
         self.assertEqual(stats, load_stats(ref, process_group="local"), what)
@@ -226,6 +244,10 @@ class PipelineScheduleTest(DistTestBase):
     @with_comms
     def test_zero_bubble_v_fsdp(self):
         self._check(ScheduleZBVZeroBubble, "v", fsdp=True)
+
+    @with_comms
+    def test_zero_bubble_v_tp(self):
+        self._check(ScheduleZBVZeroBubble, "v", tp=2)
 
     @with_comms
     def test_1f1b_sequence_aux_loss(self):

@@ -24,6 +24,7 @@ Shape legend: b sequences per micro-batch and dp rank, L tokens per sequence, D 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
-from dtensor_moe import build_moe_meshes, collect_aux_losses
+from dtensor_moe import MoEMeshes, build_moe_meshes, collect_aux_losses
 from dtensor_moe.moe import load_stats, set_aux_loss_group
 from dtensor_moe.moe.config import AuxLossType
 from dtensor_moe.parallel import fully_shard_moe, parallelize_moe
@@ -109,8 +110,42 @@ def stages_of(pp_rank: int, pp: int, style: str) -> list[int]:
     return [pp_rank, pp_rank + pp] if style == "loop" else [pp_rank, 2 * pp - 1 - pp_rank]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pipeline:
+    """One rank's part of the pipeline, next to the single-process reference model."""
+
+    meshes: MoEMeshes
+    indices: list[int]  # the stages this rank runs
+    num_stages: int
+    modules: list[nn.Module]
+    schedule: object
+    ref: PipeLM
+
+    def step(self, local: torch.Tensor, losses: list[torch.Tensor]) -> None:
+        """One schedule step on this pipeline's rows of the global batch."""
+        has_last = self.num_stages - 1 in self.indices
+        targets = dict(target=local[:, 1:], losses=losses) if has_last else {}
+        self.schedule.step(*([local[:, :-1]] if 0 in self.indices else []), **targets)
+
+
+def reference_step(ref: PipeLM, T: torch.Tensor, dp: int) -> list[torch.Tensor]:
+    """The reference's grads for one step: the global micro-batch m is every dp rank's m-th
+    chunk; each micro-batch's loss and collected router losses, divided by the number of
+    micro-batches."""
+    ref_losses = []
+    for m in range(N_MICRO):
+        rows = torch.cat([torch.arange(n * N_MICRO * b + m * b, n * N_MICRO * b + (m + 1) * b)
+                          for n in range(dp)])
+        with collect_aux_losses() as router_losses:
+            logits = ref(T[rows, :-1])
+        loss = loss_fn(logits, T[rows, 1:])
+        ((loss + router_losses.total()) / N_MICRO).backward()
+        ref_losses.append(loss.detach())
+    return ref_losses
+
+
 class PipelineScheduleTest(DistTestBase):
-    def _check(
+    def _pipeline(
         self,
         schedule_cls,
         style: str,
@@ -118,11 +153,12 @@ class PipelineScheduleTest(DistTestBase):
         fsdp: bool = False,
         aux: AuxLossType | None = None,
         tp: int = 1,
-    ) -> None:
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> Pipeline:
         """``aux``: the balance loss (with a z-loss) on the attach route, whose gradient the
         schedule's ``scale_grads`` averages over micro-batches; the reference collects it.
         ``tp=2``: each stage's 2 ranks run Megatron-style TP of the blocks' MLP (no SP) and EP
-        borrows them, one pipeline in all."""
+        borrows them, one pipeline in all. ``scaler``: the schedule's loss is scaled by it."""
         meshes = build_moe_meshes(pp=2, dp=2 // tp, ep=2, tp=tp, device_type="cpu")
         indices = stages_of(meshes.pp_rank, meshes.pp, style)
         num_stages = meshes.pp * len(indices)
@@ -156,29 +192,26 @@ class PipelineScheduleTest(DistTestBase):
                 group=meshes.pp_mesh.get_group(),
             ))
             modules.append(module)
-        schedule = (schedule_cls(stages[0], N_MICRO, loss_fn=loss_fn) if style == "single"
-                    else schedule_cls(stages, N_MICRO, loss_fn=loss_fn))
+        stage_loss = loss_fn if scaler is None else lambda y, t: scaler.scale(loss_fn(y, t))
+        schedule = (schedule_cls(stages[0], N_MICRO, loss_fn=stage_loss) if style == "single"
+                    else schedule_cls(stages, N_MICRO, loss_fn=stage_loss))
+        return Pipeline(meshes=meshes, indices=indices, num_stages=num_stages, modules=modules,
+                        schedule=schedule, ref=ref)
+
+    def _check(self, schedule_cls, style: str, **options) -> None:
+        """Losses, every grad and the counters after one step; ``options``: of ``_pipeline``."""
+        pipe = self._pipeline(schedule_cls, style, **options)
+        meshes, modules, ref = pipe.meshes, pipe.modules, pipe.ref
+        fsdp, tp = options.get("fsdp", False), options.get("tp", 1)
 
         T = tokens(meshes.dp)
         d = meshes.dense.get_local_rank("dp")
-        local = T[d * N_MICRO * b : (d + 1) * N_MICRO * b]
         losses: list[torch.Tensor] = []
-        has_last = num_stages - 1 in indices
-        targets = dict(target=local[:, 1:], losses=losses) if has_last else {}
-        schedule.step(*([local[:, :-1]] if 0 in indices else []), **targets)
-
-        # the reference: the global micro-batch m is every dp rank's m-th chunk
-        ref_losses = []
-        for m in range(N_MICRO):
-            rows = torch.cat([torch.arange(n * N_MICRO * b + m * b, n * N_MICRO * b + (m + 1) * b)
-                              for n in range(meshes.dp)])
-            with collect_aux_losses() as router_losses:
-                logits = ref(T[rows, :-1])
-            loss = loss_fn(logits, T[rows, 1:])
-            ((loss + router_losses.total()) / N_MICRO).backward()
-            ref_losses.append(loss.detach())
+        pipe.step(T[d * N_MICRO * b : (d + 1) * N_MICRO * b], losses)
+        ref_losses = reference_step(ref, T, meshes.dp)
 
         what = schedule_cls.__name__
+        has_last = pipe.num_stages - 1 in pipe.indices
         dp_group = meshes.dense.get_group("dp")
         if has_last:
             got = torch.stack(losses).detach()
@@ -214,6 +247,33 @@ class PipelineScheduleTest(DistTestBase):
         self.assertEqual(stats, load_stats(ref, process_group="local"), what)
         self.assertEqual([s.name for s in stats], [f"layers.{i}.moe" for i in range(NUM_LAYERS)])
 
+    def _check_training(self, schedule_cls, style: str) -> None:
+        """3 steps of one fused AdamW over every stage module and mesh, with a GradScaler and
+        FSDP2 + EP in each stage: the params match one process's plain AdamW."""
+        scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+        pipe = self._pipeline(schedule_cls, style, fsdp=True, scaler=scaler)
+        scaler.scale(torch.zeros(()))  # the stages without the loss need the scale too
+        # eps near the grads' size: Adam's step then depends on their scale (an unscaled or
+        # twice-scaled grad shows), which it otherwise all but cancels
+        opt = torch.optim.AdamW([p for m in pipe.modules for p in m.parameters()], lr=1e-2,
+                                eps=1e-3, fused=True)
+        ref_opt = torch.optim.AdamW(pipe.ref.parameters(), lr=1e-2, eps=1e-3)
+        T = tokens(pipe.meshes.dp)
+        d = pipe.meshes.dense.get_local_rank("dp")
+        for _ in range(3):
+            pipe.step(T[d * N_MICRO * b : (d + 1) * N_MICRO * b], [])
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            reference_step(pipe.ref, T, pipe.meshes.dp)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        self.assertEqual(scaler.get_scale(), 16.0)  # no step skipped
+        ref_params = dict(pipe.ref.named_parameters())
+        for module in pipe.modules:
+            for name, param in module.named_parameters():
+                close(param.full_tensor(), ref_params[name].detach(), name)
+
     @with_comms
     def test_gpipe(self):
         self._check(ScheduleGPipe, "single")
@@ -244,6 +304,10 @@ class PipelineScheduleTest(DistTestBase):
     @with_comms
     def test_zero_bubble_v_fsdp(self):
         self._check(ScheduleZBVZeroBubble, "v", fsdp=True)
+
+    @with_comms
+    def test_1f1b_fsdp_fused_adamw_grad_scaler_3_steps(self):
+        self._check_training(Schedule1F1B, "single")
 
     @with_comms
     def test_zero_bubble_v_tp(self):

@@ -350,9 +350,10 @@ def set_aux_loss_group(module: nn.Module, group: dist.ProcessGroup | None) -> No
     ``group`` (``None``: back to this rank's batch; Note [Router loss shares] in ``losses.py``).
 
     ``group`` must hold every rank that routes tokens of the global batch, each token on
-    exactly one of them (the dense mesh's dp x tp ranks; ``dist.group.WORLD`` for the meshes of
-    :func:`~dtensor_moe.parallel.build_moe_meshes`, whose dense mesh covers every rank), and
-    every rank of it must run each training forward. Each forward then runs one
+    exactly one of them (the dense mesh's dp x tp ranks: ``meshes.stage_group`` for the meshes
+    of :func:`~dtensor_moe.parallel.build_moe_meshes`, the default group when ``pp == 1``; under
+    pipeline parallelism the statistics are then those of one micro-batch), and every rank of
+    it must run each training forward. Each forward then runs one
     ``all_reduce`` of ``2 * E + 2`` floats over ``group`` (in place of the one over tp under
     token parallelism). Configuration, like the parallel styles: call it once, before
     training, on every rank.

@@ -1,9 +1,12 @@
 """``build_moe_meshes(pp=...)`` on 8 gloo ranks: each stage's meshes, the pp mesh, the stage
-group, the memo, and the errors raised before any process group exists."""
+group, the memo, and the errors raised before any process group exists; 16 and 32 ranks in one
+process on the fake process group."""
 
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
@@ -56,6 +59,37 @@ ERRORS = [
         r"divide the ranks of a stage \(dp \* tp\); got ep=2, tp=4, world=4; use ep in \[4\]",
     ),
 ]
+
+
+# (world, kwargs, ranks) -> for a few ranks: (stage ranks, pp peers, ep group, dense tp group)
+LARGE = [
+    (16, dict(pp=2, dp=2, ep=4, tp=4), {
+        0: ((0, 8), [0, 8], [0, 1, 2, 3], [0, 1, 2, 3]),
+        13: ((8, 16), [5, 13], [12, 13, 14, 15], [12, 13, 14, 15]),
+    }),
+    (32, dict(pp=4, dp=4, ep=4, tp=2, expert_tp=True), {
+        0: ((0, 8), [0, 8, 16, 24], [0, 2, 4, 6], [0, 1]),
+        29: ((24, 32), [5, 13, 21, 29], [25, 27, 29, 31], [28, 29]),
+    }),
+]
+
+
+@pytest.mark.parametrize(("world", "kwargs", "ranks"), LARGE)
+def test_large_layouts_in_one_process(world, kwargs, ranks):
+    """Layouts beyond this machine, one rank at a time on torch's fake process group (which
+    runs no collective: group memberships only)."""
+    for rank, (stage, peers, ep, tp) in ranks.items():
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            meshes = build_moe_meshes(**kwargs, device_type="cpu")
+            assert meshes.stage_ranks == tuple(range(*stage))
+            assert sorted(dist.get_process_group_ranks(meshes.stage_group)) == list(range(*stage))
+            assert meshes.pp_mesh.mesh.tolist() == peers
+            assert sorted(dist.get_process_group_ranks(meshes.expert.get_group("ep"))) == ep
+            assert sorted(dist.get_process_group_ranks(meshes.dense.get_group("tp"))) == tp
+            assert meshes.edp * meshes.ep * meshes.etp == world // kwargs["pp"]
+        finally:
+            dist.destroy_process_group()
 
 
 class PipelineMeshesTest(DistTestBase):

@@ -21,8 +21,8 @@ every rank then sums the counters of each stage over that stage's ranks (each to
 exactly one rank of the stage, Note [Counters under pipeline parallelism] in ``balance.py``)
 and lists the layers by ``pp_rank``, then in the order each rank holds them (a rank that runs
 several stages, under an interleaved or V-shaped schedule, passes its stage modules as a
-sequence, so one call still runs one collective). torch runs ``all_gather_object`` as two ``all_gather`` calls,
-the payload sizes then the payloads. The names are the stage modules' own names, optionally
+sequence, so one call still runs one collective). torch runs ``all_gather_object`` as two
+``all_gather`` calls, the payload sizes then the payloads. The names are the stage modules' own names, optionally
 behind ``prefix``; they must be unique across the model, which holds when each stage module
 keeps the full model's names (a full model copy with the other stages' layers deleted, layers in
 an ``nn.ModuleDict`` keyed by their index). Every rank receives the same objects, so every rank
@@ -34,8 +34,8 @@ raises the same error on repeated names.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -165,11 +165,11 @@ def load_stats(
         reset: zero the counters afterwards (what :func:`~dtensor_moe.moe.update_expert_bias`
             also does). Leave it ``False`` when the expert bias is updated from them.
         meshes: the :class:`~dtensor_moe.parallel.MoEMeshes` of this rank. With
-            ``meshes.pp > 1``, ``model`` is this rank's pipeline stage module and the result
-            lists every MoE layer of every stage, stage by stage, the same on every rank
-            (Note [Load stats across pipeline stages]), ordered by ``pp_rank`` and then as
-            each rank lists them; a stage may hold no MoE layer. With
-            ``pp == 1`` it is the default. Leave ``process_group`` at ``"world"`` with it.
+            ``meshes.pp > 1``, ``model`` is this rank's pipeline stage module (or modules) and
+            the result lists every MoE layer of every stage, the same on every rank, ordered by
+            ``pp_rank`` and then as each rank lists them (Note [Load stats across pipeline
+            stages]); a stage may hold no MoE layer. With ``pp == 1`` the call is the one
+            without ``meshes``. Leave ``process_group`` at ``"world"`` with it.
         prefix: put in front of every layer name (for a stage module that is a submodule of
             the model, e.g. ``"layers."``).
 

@@ -250,7 +250,7 @@ def _biased_routers(module: nn.Module, *, stage_may_lack: bool) -> list[TokenCho
 
 
 def _counter_group(
-    module: nn.Module, process_group: dist.ProcessGroup | None, meshes: object | None
+    process_group: dist.ProcessGroup | None, meshes: object | None
 ) -> dist.ProcessGroup | None:
     """The group the counters are summed over, checked locally (no collective); Note
     [Counters under pipeline parallelism]."""
@@ -317,7 +317,7 @@ def update_expert_bias(
     """
     if not rate > 0:
         raise ValueError(f"update_expert_bias needs a positive rate, got {rate}")
-    group = _counter_group(module, process_group, meshes)
+    group = _counter_group(process_group, meshes)
     routers = _biased_routers(module, stage_may_lack=meshes is not None and meshes.pp > 1)
     if not routers:
         return  # a pipeline stage of dense layers: its ranks all skip the collective

@@ -43,16 +43,7 @@ TIMEOUT_S = 120
 # its page: (page, the block's first code line) -> why. They are only compiled, like fragments,
 # and the rest of the page still runs. Keyed by content, so edits elsewhere in a page do not
 # move them; an entry whose block got its marker simply matches nothing.
-KNOWN_INCOMPLETE: dict[tuple[str, str], str] = {
-    ("docs/optimizers.md", "import torch, dtensor_moe"):
-        "uses model and loss, defined nowhere",
-    ("docs/optimizers.md", 'scaler = torch.amp.GradScaler("cuda")'):
-        "needs a GPU; uses loss and opt, defined nowhere",
-    ("docs/optimizers.md", "step = torch.compile(opt.step)              # or:  @torch.compile"):
-        "uses opt, defined nowhere",
-    ("docs/optimizers.md", "loss.backward()"):
-        "uses loss, model and optimizer, defined nowhere",
-}
+KNOWN_INCOMPLETE: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

@@ -144,63 +144,67 @@ def reference_step(ref: PipeLM, T: torch.Tensor, dp: int) -> list[torch.Tensor]:
     return ref_losses
 
 
-class PipelineScheduleTest(DistTestBase):
-    def _pipeline(
-        self,
-        schedule_cls,
-        style: str,
-        *,
-        fsdp: bool = False,
-        aux: AuxLossType | None = None,
-        tp: int = 1,
-        scaler: torch.amp.GradScaler | None = None,
-    ) -> Pipeline:
-        """``aux``: the balance loss (with a z-loss) on the attach route, whose gradient the
-        schedule's ``scale_grads`` averages over micro-batches; the reference collects it.
-        ``tp=2``: each stage's 2 ranks run Megatron-style TP of the blocks' MLP (no SP) and EP
-        borrows them, one pipeline in all. ``scaler``: the schedule's loss is scaled by it."""
-        meshes = build_moe_meshes(pp=2, dp=2 // tp, ep=2, tp=tp, device_type="cpu")
-        indices = stages_of(meshes.pp_rank, meshes.pp, style)
-        num_stages = meshes.pp * len(indices)
-        losses_config = {} if aux is None else dict(
-            aux_loss_coeff=0.1, aux_loss_type=aux, z_loss_coeff=0.01
-        )
-        full = PipeLM(**losses_config, aux_loss_mode="attach")
-        ref = PipeLM(**losses_config, aux_loss_mode="collect")
-        meta = dict(device="meta")
-        hidden = torch.empty(b, L, DIM, **meta, requires_grad=True)  # crosses stages with grad
-        modules, stages = [], []
-        for index in indices:
-            module = stage_module(full, index, num_stages)
-            if aux == "global_batch":  # per micro-batch: the statistics of the stage's ranks
-                with self.assertRaisesRegex(ValueError, r"'global_batch' balance loss .* has 2 "
-                                            r"of the 4 ranks; call .*set_aux_loss_group"):
-                    parallelize_moe(module, meshes, sequence_parallel=False)
-                set_aux_loss_group(module, meshes.stage_group)
-            for block in module.layers.values() if tp > 1 else ():
-                parallelize_module(block, meshes.dense["tp"],
-                                   {"up": ColwiseParallel(), "down": RowwiseParallel()})
-            parallelize_moe(module, meshes, sequence_parallel=False)
-            if fsdp:  # one FSDP group per block, experts on "edp", the rest on "dp"
-                fully_shard_moe(module, meshes, blocks=list(module.layers.values()),
-                                reshard_after_forward=False)
-            last = index == num_stages - 1
-            stages.append(PipelineStage(
-                module, index, num_stages, torch.device("cpu"),
-                input_args=torch.empty(b, L, dtype=torch.long, **meta) if index == 0 else hidden,
-                output_args=torch.empty(b, L, VOCAB, **meta, requires_grad=True) if last else hidden,
-                group=meshes.pp_mesh.get_group(),
-            ))
-            modules.append(module)
-        stage_loss = loss_fn if scaler is None else lambda y, t: scaler.scale(loss_fn(y, t))
-        schedule = (schedule_cls(stages[0], N_MICRO, loss_fn=stage_loss) if style == "single"
-                    else schedule_cls(stages, N_MICRO, loss_fn=stage_loss))
-        return Pipeline(meshes=meshes, indices=indices, num_stages=num_stages, modules=modules,
-                        schedule=schedule, ref=ref)
+def build_pipeline(
+    test: DistTestBase,
+    schedule_cls,
+    style: str,
+    *,
+    fsdp: bool = False,
+    aux: AuxLossType | None = None,
+    tp: int = 1,
+    scaler: torch.amp.GradScaler | None = None,
+    config: dict | None = None,
+) -> Pipeline:
+    """``aux``: the balance loss (with a z-loss) on the attach route, whose gradient the
+    schedule's ``scale_grads`` averages over micro-batches; the reference collects it.
+    ``tp=2``: each stage's 2 ranks run Megatron-style TP of the blocks' MLP (no SP) and EP
+    borrows them, one pipeline in all. ``scaler``: the schedule's loss is scaled by it.
+    ``config``: more ``MoEConfig`` fields."""
+    meshes = build_moe_meshes(pp=2, dp=2 // tp, ep=2, tp=tp, device_type="cpu")
+    indices = stages_of(meshes.pp_rank, meshes.pp, style)
+    num_stages = meshes.pp * len(indices)
+    losses_config = dict(config or {})
+    if aux is not None:
+        losses_config.update(aux_loss_coeff=0.1, aux_loss_type=aux, z_loss_coeff=0.01)
+    full = PipeLM(**losses_config, aux_loss_mode="attach")
+    ref = PipeLM(**losses_config, aux_loss_mode="collect")
+    meta = dict(device="meta")
+    hidden = torch.empty(b, L, DIM, **meta, requires_grad=True)  # crosses stages with grad
+    modules, stages = [], []
+    for index in indices:
+        module = stage_module(full, index, num_stages)
+        if aux == "global_batch":  # per micro-batch: the statistics of the stage's ranks
+            with test.assertRaisesRegex(ValueError, r"'global_batch' balance loss .* has 2 "
+                                        r"of the 4 ranks; call .*set_aux_loss_group"):
+                parallelize_moe(module, meshes, sequence_parallel=False)
+            set_aux_loss_group(module, meshes.stage_group)
+        for block in module.layers.values() if tp > 1 else ():
+            parallelize_module(block, meshes.dense["tp"],
+                               {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        parallelize_moe(module, meshes, sequence_parallel=False)
+        if fsdp:  # one FSDP group per block, experts on "edp", the rest on "dp"
+            fully_shard_moe(module, meshes, blocks=list(module.layers.values()),
+                            reshard_after_forward=False)
+        last = index == num_stages - 1
+        stages.append(PipelineStage(
+            module, index, num_stages, torch.device("cpu"),
+            input_args=torch.empty(b, L, dtype=torch.long, **meta) if index == 0 else hidden,
+            output_args=torch.empty(b, L, VOCAB, **meta, requires_grad=True) if last else hidden,
+            group=meshes.pp_mesh.get_group(),
+        ))
+        modules.append(module)
+    stage_loss = loss_fn if scaler is None else lambda y, t: scaler.scale(loss_fn(y, t))
+    schedule = (schedule_cls(stages[0], N_MICRO, loss_fn=stage_loss) if style == "single"
+                else schedule_cls(stages, N_MICRO, loss_fn=stage_loss))
+    return Pipeline(meshes=meshes, indices=indices, num_stages=num_stages, modules=modules,
+                    schedule=schedule, ref=ref)
 
+
+class PipelineScheduleTest(DistTestBase):
     def _check(self, schedule_cls, style: str, **options) -> None:
-        """Losses, every grad and the counters after one step; ``options``: of ``_pipeline``."""
-        pipe = self._pipeline(schedule_cls, style, **options)
+        """Losses, every grad and the counters after one step; ``options``: of
+        :func:`build_pipeline`."""
+        pipe = build_pipeline(self, schedule_cls, style, **options)
         meshes, modules, ref = pipe.meshes, pipe.modules, pipe.ref
         fsdp, tp = options.get("fsdp", False), options.get("tp", 1)
 
@@ -251,7 +255,7 @@ class PipelineScheduleTest(DistTestBase):
         """3 steps of one fused AdamW over every stage module and mesh, with a GradScaler and
         FSDP2 + EP in each stage: the params match one process's plain AdamW."""
         scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
-        pipe = self._pipeline(schedule_cls, style, fsdp=True, scaler=scaler)
+        pipe = build_pipeline(self, schedule_cls, style, fsdp=True, scaler=scaler)
         scaler.scale(torch.zeros(()))  # the stages without the loss need the scale too
         # eps near the grads' size: Adam's step then depends on their scale (an unscaled or
         # twice-scaled grad shows), which it otherwise all but cancels

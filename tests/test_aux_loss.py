@@ -1,4 +1,4 @@
-"""Issue 15.2: the auxiliary loss follows the loss (Note [Auxiliary loss follows the loss]).
+"""The auxiliary loss follows the loss (Note [Auxiliary loss follows the loss]).
 
 Every case compares the layer, with its loss collected by ``collect_aux_losses()`` and added to
 the user's loss, against ``loss + aux`` computed by the naive reference of

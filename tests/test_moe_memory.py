@@ -252,7 +252,7 @@ def test_saved_bytes_within_formula(E, K, H, recompute, dtype):
     # The plain path keeps the gathered rows, silu(h1), the product and the T K x D outputs.
     routed = T * K * (D + 2 * H) * size
     assert total - params + routed <= sum(saved_storages(lambda: plain_path(moe)(x))[1].values())
-    if dtype == torch.float32:  # issue 16: at most 0.6x of 33.1 / 57.5 MiB (params included)
+    if dtype == torch.float32:  # at most 0.6x of 33.1 / 57.5 MiB (params included)
         limit = {8: 19.9, 64: 34.5}[E]
         if recompute or E == 64:
             assert total / MIB <= limit, total / MIB

@@ -1,4 +1,4 @@
-"""A compiled ``opt.step()`` of a fused optimizer over params on several meshes (issue 14.4).
+"""A compiled ``opt.step()`` of a fused optimizer over params on several meshes.
 
 torch never traces a fused optimizer: dynamo wraps ``torch.optim.adam._fused_adam`` and its
 SGD/Adagrad twins in ``torch.compiler.disable`` when it starts, so under ``torch.compile`` the

@@ -1,4 +1,4 @@
-"""Issue 16.5: the router z-loss and the global-batch balance loss (Note [Router loss shares]).
+"""The router z-loss and the global-batch balance loss (Note [Router loss shares]).
 
 One process: the layer's loss, collected by ``collect_aux_losses()`` and added to the user's
 loss, against ``loss + aux + z`` written out here token by token (the z-loss from the gate

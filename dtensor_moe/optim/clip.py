@@ -37,9 +37,25 @@ grads costs one all-reduce, a 2-D mesh at most two, whatever the number of grads
 
 Every grad's mesh must contain the calling rank. A grad on a mesh without this rank raises
 ``ValueError`` on that rank before any collective. That check is local, so the ranks that are in
-the mesh are not told: pass each rank only the params it holds (as pipeline stages do). With
-pipeline stages the result is the norm of this stage's grads; combining stages is up to the
-caller.
+the mesh are not told: pass each rank only the params it holds (as pipeline stages do).
+
+Note [Norm across pipeline stages]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under pipeline parallelism each rank holds the params of its stage only, so the fold above,
+combined over the rank's meshes, is the fold of its stage. With ``pp_mesh`` (the ranks at this
+rank's position in every stage: one rank per stage) the stage folds are combined by one more
+``all_reduce`` over ``pp_mesh``: the sum of the p-th powers (``max`` for ``inf``) and the nan
+count, before the p-th root. Every element of the model is then counted once: once in its stage
+(above) and each stage once over ``pp_mesh``. That is why ``pp_mesh`` may share no rank but this
+one with the meshes of the grads, which is checked before any collective.
+
+The same all-reduce carries one flag per grad dtype in ``_FLAGGED_DTYPES``, so every rank
+returns the total in the promoted dtype of every stage's grads, as torch would on the gathered
+grads; reading the flags back is one device-to-host copy. The buffer is fp64: stages may
+accumulate in different dtypes (fp32, or fp64 for fp64 grads), and the buffer must be the same
+on every rank. A rank whose stage holds no grad joins with a zero fold, and every rank then
+holds the same total, so ``error_if_nonfinite`` raises on every rank or on none, and the clip
+coefficient is the same everywhere.
 """
 
 from __future__ import annotations
@@ -59,6 +75,10 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from dtensor_moe._compat import device_has_foreach_support, local_tensor, splits_tensor
 
 __all__ = ["clip_grad_norm_"]
+
+# The grad dtypes that the all-reduce over ``pp_mesh`` flags, in a fixed order (the same on
+# every rank); see Note [Norm across pipeline stages].
+_FLAGGED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # ``Partial.reduce_op`` -> how to all-reduce the summands. "avg" is a sum divided by the group
 # size afterwards, because gloo has no AVG. Only ops with reduce(c * a_i) = c * reduce(a_i) for
@@ -91,6 +111,16 @@ class _NormSpec:
         return math.isinf(self.p)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _PipelineGroup:
+    """The group that ``pp_mesh`` names, checked: it contains this rank."""
+
+    group: dist.ProcessGroup
+    ranks: frozenset[int]
+    device: torch.device  # where the all-reduce buffer lives
+    label: str  # for error messages
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
@@ -98,8 +128,10 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    pp_mesh: DeviceMesh | dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Clip the total gradient norm of ``parameters`` in place, across any meshes.
+    """Clip the total gradient norm of ``parameters`` in place, across any meshes and stages.
 
     Same contract as :func:`torch.nn.utils.clip_grad_norm_`, computed as if every grad were
     gathered to one device: the total norm is the ``norm_type``-norm of all grad elements, and
@@ -107,9 +139,14 @@ def clip_grad_norm_(
     tensors or DTensors on any number of meshes, with any mix of ``Shard`` (even or not),
     ``Replicate`` and ``Partial``. Params without a grad are skipped.
 
+    Under pipeline parallelism pass ``pp_mesh``: the total is then the norm over the grads of
+    every stage, and every rank of every stage must call this function (a rank whose stage has
+    no grad too).
+
     Collectives: ``all_reduce`` only; per mesh, one for each mesh dim that some grad on it shards,
     plus one per Partial mesh dim per (mesh, placements, dtype) group of ``Partial`` grads. See
-    Note [Count each element once]. Plain tensors need none.
+    Note [Count each element once]. Plain tensors need none. With ``pp_mesh``, one more over
+    ``pp_mesh`` (Note [Norm across pipeline stages]).
 
     Args:
         parameters: a tensor or an iterable (a generator too) of tensors whose ``.grad`` to clip.
@@ -120,31 +157,49 @@ def clip_grad_norm_(
         foreach: ``None`` uses the foreach kernels where the device supports them; ``True``
             requires them (``RuntimeError`` otherwise); ``False`` loops over the grads.
 
+    Keyword Args:
+        pp_mesh: ``None`` (the default): the norm of the grads passed on this rank's meshes, as
+            without pipeline parallelism. Else the ranks at this rank's position in every
+            pipeline stage, one rank per stage: the 1-D ``meshes.pp_mesh`` of
+            :func:`~dtensor_moe.build_moe_meshes` (``None`` when ``pp == 1``), or the
+            ``ProcessGroup`` of those ranks. The stages' norms are combined over it.
+
     Returns:
         The total norm as a plain 0-dim tensor on the first grad's device, equal on every rank;
-        ``tensor(0.0)`` when no param has a grad.
+        ``tensor(0.0)`` when no param has a grad. With ``pp_mesh``: the norm over every stage,
+        in the promoted dtype of every stage's grads, on every rank (on the device of
+        ``pp_mesh`` where this rank has no grad).
 
     Raises:
-        TypeError: a param that is not a tensor, or a non-numeric ``max_norm``/``norm_type``.
+        TypeError: a param that is not a tensor, or a non-numeric ``max_norm``/``norm_type``;
+            a ``pp_mesh`` that is not a ``DeviceMesh`` or ``ProcessGroup``.
         ValueError: ``norm_type <= 0`` or ``nan``; ``max_norm < 0`` or ``nan``; a grad on a mesh
-            without this rank; a ``Partial`` reduce op other than sum/avg/max/min.
+            without this rank; a ``Partial`` reduce op other than sum/avg/max/min; a
+            ``pp_mesh`` that is not 1-D, does not contain this rank, or shares another rank
+            with a grad's mesh.
 
     Example::
 
         >>> loss.backward()
         >>> total = dtensor_moe.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        >>> # under pipeline parallelism, on every rank of every stage:
+        >>> total = dtensor_moe.clip_grad_norm_(stage.parameters(), 1.0, pp_mesh=meshes.pp_mesh)
     """
     params = _as_param_list(parameters)
     max_norm_f = _check_max_norm(max_norm)
     p = _check_norm_type(norm_type)
+    pp = _check_pp_mesh(pp_mesh)
     grads = [param.grad for param in params if param.grad is not None]
-    if not grads:
+    if not grads and pp is None:
         return torch.tensor(0.0)
-    _check_grads(params, foreach)
-    total = _total_norm(grads, _norm_spec(grads, p, foreach))
+    _check_grads(params, foreach, () if pp is None else (pp.device,))
+    if pp is not None:
+        _check_pp_disjoint(params, pp)
+    total = _total_norm(grads, p, foreach, pp)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type=p))
-    _scale_grads_(grads, torch.clamp(max_norm_f / (total + 1e-6), max=1.0), foreach)
+    if grads:
+        _scale_grads_(grads, torch.clamp(max_norm_f / (total + 1e-6), max=1.0), foreach)
     return total
 
 
@@ -201,8 +256,15 @@ def _check_norm_type(norm_type: object) -> float:
     return p
 
 
-def _check_grads(params: list[torch.Tensor], foreach: bool | None) -> None:
-    """Reject grads on meshes without this rank, unknown Partial ops and unsupported foreach."""
+def _check_grads(
+    params: list[torch.Tensor], foreach: bool | None, devices: tuple[torch.device, ...]
+) -> None:
+    """Reject grads on meshes without this rank, unknown Partial ops and unsupported foreach.
+
+    ``foreach=True`` is checked on the grads' devices and on ``devices``: with ``pp_mesh``, the
+    device of its collective, so that a rank whose stage holds no grad decides as the others
+    (the device type is the same on every rank of an SPMD program).
+    """
     for i, param in enumerate(params):
         grad = param.grad
         if not isinstance(grad, DTensor):
@@ -220,12 +282,82 @@ def _check_grads(params: list[torch.Tensor], foreach: bool | None) -> None:
                     "to Replicate or Shard first"
                 )
     if foreach:
-        for device in {_local(p.grad).device for p in params if p.grad is not None}:
+        for device in {_local(p.grad).device for p in params if p.grad is not None}.union(devices):
             if not device_has_foreach_support(device):
                 raise RuntimeError(
                     f"foreach=True was passed, but can't use the foreach API on {device.type} "
                     "tensors"
                 )
+
+
+def _check_pp_mesh(pp_mesh: object) -> _PipelineGroup | None:
+    """``pp_mesh`` as a checked group: 1-D if a mesh, containing this rank. Local, no collective."""
+    if pp_mesh is None:
+        return None
+    rank = dist.get_rank()
+    if isinstance(pp_mesh, DeviceMesh):
+        if pp_mesh.ndim != 1:
+            raise ValueError(
+                f"clip_grad_norm_: pp_mesh must be a 1-D DeviceMesh, got {pp_mesh} "
+                f"({pp_mesh.ndim}-D); pass meshes.pp_mesh from build_moe_meshes(pp=...), or "
+                "the 1-D slice of your mesh's pipeline dim (mesh['pp'])"
+            )
+        ranks = frozenset(pp_mesh.mesh.flatten().tolist())
+        device = _device_of_type(pp_mesh.device_type)
+        group = pp_mesh.get_group() if rank in ranks else None
+    elif isinstance(pp_mesh, dist.ProcessGroup):
+        ranks = frozenset(dist.get_process_group_ranks(pp_mesh))
+        device = _device_of_type("cpu" if dist.get_backend(pp_mesh) == "gloo" else _accelerator())
+        group = pp_mesh
+    elif type(pp_mesh) is int and pp_mesh == dist.GroupMember.NON_GROUP_MEMBER:
+        ranks, device, group = frozenset(), torch.device("cpu"), None
+    else:
+        raise TypeError(
+            f"clip_grad_norm_: pp_mesh must be a 1-D DeviceMesh, a ProcessGroup or None, got "
+            f"{type(pp_mesh).__name__} {pp_mesh!r}; pass meshes.pp_mesh from "
+            "build_moe_meshes(pp=...)"
+        )
+    if rank not in ranks or group is None:
+        raise ValueError(
+            f"clip_grad_norm_: pp_mesh {pp_mesh!r} does not contain rank {rank}; pass this "
+            "rank's own pp mesh (meshes.pp_mesh of build_moe_meshes(pp=...) on this rank)"
+        )
+    return _PipelineGroup(group=group, ranks=ranks, device=device, label=repr(pp_mesh))
+
+
+def _accelerator() -> str:
+    accelerator = torch.accelerator.current_accelerator()
+    return "cpu" if accelerator is None else accelerator.type
+
+
+def _device_of_type(device_type: str) -> torch.device:
+    """The current device of ``device_type`` (``cuda:<current>``), where a collective runs."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
+def _check_pp_disjoint(params: list[torch.Tensor], pp: _PipelineGroup) -> None:
+    """Reject a ``pp_mesh`` that shares a rank other than this one with a grad's mesh.
+
+    Such a group is not one rank per stage (the stage group or the world, say), and the
+    all-reduce over it would count the grads of those ranks' meshes more than once.
+    """
+    rank = dist.get_rank()
+    seen: set[DeviceMesh] = set()
+    for i, param in enumerate(params):
+        grad = param.grad
+        if not isinstance(grad, DTensor) or grad.device_mesh in seen:
+            continue
+        seen.add(grad.device_mesh)
+        shared = (set(grad.device_mesh.mesh.flatten().tolist()) & pp.ranks) - {rank}
+        if shared:
+            raise ValueError(
+                f"clip_grad_norm_: pp_mesh {pp.label} shares ranks {sorted(shared)} with "
+                f"{grad.device_mesh}, the mesh of parameters[{i}].grad, so their grads would be "
+                "counted more than once; pp_mesh must hold one rank per pipeline stage: pass "
+                "meshes.pp_mesh from build_moe_meshes(pp=...)"
+            )
 
 
 def _norm_spec(grads: list[torch.Tensor], p: float, foreach: bool | None) -> _NormSpec:
@@ -242,9 +374,30 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return local_tensor(grad) if isinstance(grad, DTensor) else grad
 
 
-def _total_norm(grads: list[torch.Tensor], spec: _NormSpec) -> torch.Tensor:
-    """Fold the plain grads locally and each mesh's grads over that mesh, then combine."""
-    out_dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+def _total_norm(
+    grads: list[torch.Tensor], p: float, foreach: bool | None, pp: _PipelineGroup | None
+) -> torch.Tensor:
+    """The total norm of this stage's ``grads``, or of every stage's over ``pp``."""
+    dtypes = [g.dtype for g in grads]
+    if grads:
+        spec = _norm_spec(grads, p, foreach)
+        fold, device = _stage_fold(grads, spec), spec.device
+    else:  # pp is not None: join the all-reduce over pp with nothing to add
+        fold, device = torch.zeros(2, dtype=torch.float64, device=pp.device), pp.device
+    if pp is not None:
+        fold, dtypes = _reduce_over_pp(fold, dtypes, p, pp)
+    value = fold[0] if math.isinf(p) else fold[0].pow(1.0 / p)
+    value = torch.where(fold[1] > 0, torch.full_like(value, math.nan), value)
+    out_dtype = torch.get_default_dtype()  # torch's tensor(0.0) when no stage has a grad
+    if dtypes:
+        out_dtype = functools.reduce(torch.promote_types, dtypes)
+    return value.to(device=device, dtype=out_dtype)
+
+
+def _stage_fold(grads: list[torch.Tensor], spec: _NormSpec) -> torch.Tensor:
+    """The fold of the plain grads (locally) and of each mesh's grads (over that mesh), combined:
+    ``[sum of p-th powers (max for inf), nan count]`` of every grad passed on this rank's meshes.
+    """
     by_mesh: dict[DeviceMesh, list[DTensor]] = {}
     plain: list[torch.Tensor] = []
     for grad in grads:
@@ -255,9 +408,28 @@ def _total_norm(grads: list[torch.Tensor], spec: _NormSpec) -> torch.Tensor:
     folds = [_fold(plain, spec)] if plain else []
     folds += [_mesh_fold(mesh, group, spec).to(spec.device) for mesh, group in by_mesh.items()]
     stacked = torch.stack(folds)
-    value = stacked[:, 0].amax() if spec.is_inf else stacked[:, 0].sum().pow(1.0 / spec.p)
-    value = torch.where(stacked[:, 1].sum() > 0, torch.full_like(value, math.nan), value)
-    return value.to(out_dtype)
+    value = stacked[:, 0].amax() if spec.is_inf else stacked[:, 0].sum()
+    return torch.stack([value, stacked[:, 1].sum()])
+
+
+def _reduce_over_pp(
+    fold: torch.Tensor, dtypes: list[torch.dtype], p: float, pp: _PipelineGroup
+) -> tuple[torch.Tensor, list[torch.dtype]]:
+    """Combine the stages' folds and grad dtypes with one ``all_reduce`` over ``pp``.
+
+    See Note [Norm across pipeline stages]: ``[value, nan count, one flag per flagged dtype]``
+    in fp64, summed (``max`` for ``inf``: a flag or a count stays > 0 under both).
+    """
+    flags = [1.0 if dtype in dtypes else 0.0 for dtype in _FLAGGED_DTYPES]
+    buffer = torch.cat([
+        fold.to(device=pp.device, dtype=torch.float64),
+        torch.tensor(flags, dtype=torch.float64, device=pp.device),
+    ])
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    dist.all_reduce(buffer, op=op, group=pp.group)
+    present = buffer[2:].tolist()
+    everywhere = [d for d, flag in zip(_FLAGGED_DTYPES, present, strict=True) if flag > 0]
+    return buffer[:2], everywhere + [d for d in dtypes if d not in _FLAGGED_DTYPES]
 
 
 def _fold(tensors: list[torch.Tensor], spec: _NormSpec) -> torch.Tensor:

@@ -8,7 +8,7 @@ rather than by a decorator on each test:
   snippets) or build every Hugging Face family;
 * a few multi-process tests, one per product half and layout family (:data:`QUICK_DIST`), so
   that the quick run still exercises real gloo collectives: fused optimizers across meshes,
-  EP4 parity, grad clipping and the dense TP/SP plan.
+  EP4 parity, a pipeline schedule, grad clipping and the dense TP/SP plan.
 
 The full suite (``python -m pytest -q tests``) runs everything, quick or not.
 """
@@ -39,6 +39,7 @@ QUICK_DIST = frozenset(
     {
         "test_fused_optim_dist.py::FusedOptimizerAcrossMeshesTest::test_every_optimizer_matches_single_device",
         "test_parallel_moe.py::ParallelMoEParityTest::test_ep4_dp2ep",
+        "test_pipeline_schedule.py::PipelineScheduleTest::test_1f1b",
         "test_clip_grad_norm.py",
         "test_dense_plan.py",
     }

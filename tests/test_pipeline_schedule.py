@@ -43,8 +43,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
-from dtensor_moe import MoEMeshes, build_moe_meshes, collect_aux_losses
-from dtensor_moe.moe import load_stats, set_aux_loss_group
+from dtensor_moe import MoE, MoEMeshes, build_moe_meshes, collect_aux_losses
+from dtensor_moe.moe import load_stats
 from dtensor_moe.moe.config import AuxLossType
 from dtensor_moe.parallel import fully_shard_moe, parallelize_moe
 from tests._dist import DistTestBase
@@ -173,11 +173,6 @@ def build_pipeline(
     modules, stages = [], []
     for index in indices:
         module = stage_module(full, index, num_stages)
-        if aux == "global_batch":  # per micro-batch: the statistics of the stage's ranks
-            with test.assertRaisesRegex(ValueError, r"'global_batch' balance loss .* has 2 "
-                                        r"of the 4 ranks; call .*set_aux_loss_group"):
-                parallelize_moe(module, meshes, sequence_parallel=False)
-            set_aux_loss_group(module, meshes.stage_group)
         for block in module.layers.values() if tp > 1 else ():
             parallelize_module(block, meshes.dense["tp"],
                                {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -192,6 +187,9 @@ def build_pipeline(
             output_args=torch.empty(b, L, VOCAB, **meta, requires_grad=True) if last else hidden,
             group=meshes.pp_mesh.get_group(),
         ))
+        if aux == "global_batch":  # per micro-batch: the statistics of the stage's ranks
+            groups = {id(m.router.aux_loss_group) for m in module.modules() if isinstance(m, MoE)}
+            test.assertEqual(groups, {id(meshes.stage_group)})
         modules.append(module)
     stage_loss = loss_fn if scaler is None else lambda y, t: scaler.scale(loss_fn(y, t))
     schedule = (schedule_cls(stages[0], N_MICRO, loss_fn=stage_loss) if style == "single"

@@ -101,8 +101,14 @@ def parallelize_moe(
             )
             parallelize_module(moe, meshes.dense["tp"], style)
     for router in global_batch_routers:
-        router.aux_loss_group = dist.group.WORLD
+        router.aux_loss_group = _stage_group(meshes)
     return model
+
+
+def _stage_group(meshes: MoEMeshes) -> dist.ProcessGroup:
+    """The ranks that route this stage's share of the global batch: the stage's group under
+    pipeline parallelism, every rank otherwise."""
+    return meshes.stage_group if meshes.stage_group is not None else dist.group.WORLD
 
 
 def _unset_global_batch_routers(layers: list[MoE], meshes: MoEMeshes) -> list:
@@ -110,17 +116,18 @@ def _unset_global_batch_routers(layers: list[MoE], meshes: MoEMeshes) -> list:
 
     Note [Global batch under parallelize_moe]: the dense mesh's dp x tp ranks each route
     different tokens of the global batch, and the meshes of ``build_moe_meshes`` cover every
-    rank, so ``parallelize_moe`` sets those routers' group to ``dist.group.WORLD``: the loss is
-    then the global batch's, as on one device (``set_aux_loss_group`` in ``moe/balance.py``).
-    A group set before ``parallelize_moe`` is kept; ``set_aux_loss_group(model, None)`` after it
-    goes back to each rank's own batch.
+    rank of a pipeline stage, so ``parallelize_moe`` sets those routers' group to the stage's
+    ranks (``meshes.stage_group``; ``dist.group.WORLD`` without pipeline parallelism): the loss
+    is then the global batch's (per micro-batch under a schedule), as on one device
+    (``set_aux_loss_group`` in ``moe/balance.py``). A group set before ``parallelize_moe`` is
+    kept; ``set_aux_loss_group(model, None)`` after it goes back to each rank's own batch.
     """
     routers = [
         moe.router
         for moe in layers
         if moe.router.config.aux_loss_type == "global_batch" and moe.router.aux_loss_group is None
     ]
-    world = dist.get_world_size()
+    world = len(meshes.stage_ranks) or dist.get_world_size()
     if routers and meshes.dense.size() != world:
         raise ValueError(
             f"parallelize_moe: a 'global_batch' balance loss reduces over the ranks that route "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -157,7 +158,7 @@ class MoEConfig:
         ``route_scale``/``init_std`` would give non-finite losses or outputs."""
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars too
                 raise TypeError(f"MoEConfig.{name} must be a real number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(

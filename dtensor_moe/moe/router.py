@@ -146,7 +146,7 @@ def count_unless_recompute(
                 "example optimizer.register_step_post_hook(lambda *_: "
                 "update_expert_bias(model, 1e-3))",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,  # past torch.compiler.disable's wrapper, into dtensor_moe
             )
 
 

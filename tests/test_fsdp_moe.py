@@ -7,7 +7,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
@@ -296,6 +296,11 @@ class FSDPMoETest(DistTestBase):
             r"apply the parallel styles first \(parallelize_moe\), then fully_shard_moe",
         ):
             parallelize_module(model.layers[0].moe.experts, meshes.expert["ep"], ExpertParallel())
+        # FSDP2 on a module that holds no MoE layer (the embedding) is no obstacle
+        other = make_model()
+        fully_shard(other.embed, mesh=meshes.dense["dp"])
+        parallelize_moe(other, meshes, sequence_parallel=True)
+        self.assertIsInstance(other.layers[0].moe.experts.w1, DTensor)
 
     def _assert_untouched(self, model):
         """The check ran before the first fully_shard call: nothing was sharded."""

@@ -78,7 +78,7 @@ def parallelize_moe(
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError(f"parallelize_moe found no MoE layer in {type(model).__name__}")
-    sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    sharded = _sharded_around(model, layers)
     if sharded:
         raise ValueError(
             f"parallelize_moe: the model is already sharded with fully_shard (FSDP2) (modules "
@@ -109,6 +109,20 @@ def _stage_group(meshes: MoEMeshes) -> dist.ProcessGroup:
     """The ranks that route this stage's share of the global batch: the stage's group under
     pipeline parallelism, every rank otherwise."""
     return meshes.stage_group if meshes.stage_group is not None else dist.group.WORLD
+
+
+def _sharded_around(model: nn.Module, layers: list[MoE]) -> list[str]:
+    """The names of the ``fully_shard`` (FSDP2) modules that hold an MoE layer or sit inside
+    one: their params are already sharded for FSDP, so the expert styles cannot apply there.
+    FSDP modules elsewhere (say, the embedding sharded first) are no obstacle."""
+    inside = {id(sub) for moe in layers for sub in moe.modules()}
+    moes = {id(moe) for moe in layers}
+    return [
+        name or "<root>"
+        for name, m in model.named_modules()
+        if isinstance(m, FSDPModule)
+        and (id(m) in inside or any(id(sub) in moes for sub in m.modules()))
+    ]
 
 
 def _unset_global_batch_routers(layers: list[MoE], meshes: MoEMeshes) -> list:

@@ -255,13 +255,9 @@ def _counter_group(
     """The group the counters are summed over, checked locally (no collective); Note
     [Counters under pipeline parallelism]."""
     if meshes is not None:
-        from dtensor_moe.parallel.mesh import MoEMeshes  # the parallel package imports moe
+        from dtensor_moe.parallel.mesh import require_meshes  # the parallel package imports moe
 
-        if not isinstance(meshes, MoEMeshes):
-            raise TypeError(
-                f"update_expert_bias: meshes must be the MoEMeshes of build_moe_meshes, got "
-                f"{type(meshes).__name__}"
-            )
+        require_meshes(meshes, "update_expert_bias")
     if process_group is None:
         return None if meshes is None else meshes.stage_group
     if meshes is None:  # nothing to check it against: Note [Counters under pipeline parallelism]

@@ -49,8 +49,9 @@ __all__ = ["MoE"]
 # experts of different EP ranks, FSDP's shards too); torch warns "DTensor random operators may not
 # have complete support on cpu device mesh". There, load a checkpoint after ``to_empty``. The
 # multi-GPU case is not covered by the tests, which run on CPU meshes. Tests:
-# ``tests/test_moe_layer.py``, ``tests/test_hf.py`` and ``tests/test_fsdp_moe.py::test_meta_device_init`` (which also shows the
-# CPU repetition, so that this paragraph changes when torch does).
+# ``tests/test_moe_layer.py``, ``tests/test_hf.py`` and
+# ``tests/test_fsdp_moe.py::test_meta_device_init`` (which also shows the CPU repetition, so
+# that this paragraph changes when torch does).
 
 
 class MoE(nn.Module):

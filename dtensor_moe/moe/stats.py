@@ -218,13 +218,9 @@ def _describe(model: nn.Module | Sequence[nn.Module]) -> str:
 
 
 def _check_meshes(meshes: object, process_group: object) -> None:
-    from dtensor_moe.parallel.mesh import MoEMeshes  # the parallel package imports moe
+    from dtensor_moe.parallel.mesh import require_meshes  # the parallel package imports moe
 
-    if not isinstance(meshes, MoEMeshes):
-        raise TypeError(
-            f"load_stats: meshes must be the MoEMeshes of build_moe_meshes, got "
-            f"{type(meshes).__name__}"
-        )
+    require_meshes(meshes, "load_stats")
     if not (isinstance(process_group, str) and process_group == "world"):
         raise ValueError(
             f"load_stats: pass either meshes or process_group, got process_group="

@@ -159,6 +159,16 @@ class _Built:
         return any(ref is not None and ref() is not None for ref in refs)
 
 
+def require_meshes(meshes: object, caller: str) -> MoEMeshes:
+    """``meshes`` if it is an :class:`MoEMeshes`, else ``TypeError`` naming ``caller``."""
+    if not isinstance(meshes, MoEMeshes):
+        raise TypeError(
+            f"{caller}: meshes must be the MoEMeshes of build_moe_meshes, got "
+            f"{type(meshes).__name__}"
+        )
+    return meshes
+
+
 # (pp, dp, ep, tp, expert_tp, device_type) -> _Built; see Note [Mesh memo]
 _BUILT: dict[tuple, _Built] = {}
 

@@ -15,6 +15,7 @@ Run::
     python benchmarks/moe_layer.py --layout ep4 --compile  # + torch.compile(moe), side by side
     python benchmarks/moe_layer.py --preset deepseek-v3    # also mixtral, qwen3; any layout
     python benchmarks/moe_layer.py --capacity-factor 1.25 --pad-to-capacity  # token dropping
+    python benchmarks/moe_layer.py --layout ep4 --balanced  # forced perfect balance (debug)
     python benchmarks/moe_layer.py --device cuda --dtype bf16   # one GPU (layout single)
 
 Layouts: ``--layout`` picks an entry of ``LAYOUTS``. The parallel layouts (``PARALLEL``) launch
@@ -51,6 +52,11 @@ on the other ranks included, as ``wait``/collective rows).
 path's all-to-alls become local copies, as if every rank received exactly the rows it sent.
 The outputs are wrong, but the work is that of a symmetric exchange, so the ratio shows what
 the layer costs without the exchanges themselves (``docs/benchmarks.md``).
+
+``--balanced`` builds the layer with ``MoEConfig(force_balanced_routing=True)``, in every
+layout: each rank sends its tokens to the experts round-robin, so every expert gets the same
+number of rows and every exchange is equal. The outputs are not the model's; the figures are
+the best case of perfect balance (``docs/moe.md``, "Balanced routing for benchmarking").
 """
 
 # ruff: noqa: N806
@@ -118,6 +124,7 @@ def _build(args: argparse.Namespace) -> tuple[MoE, torch.Tensor, torch.Tensor]:
         capacity_factor=args.capacity_factor,
         capacity_per_expert=args.capacity_per_expert,
         pad_to_capacity=args.pad_to_capacity,
+        force_balanced_routing=args.balanced,
         **PRESETS[args.preset]["config"] if args.preset else {},
     )
     dtype = DTYPES[args.dtype]
@@ -571,6 +578,9 @@ def _parse() -> argparse.Namespace:
                    help="MoEConfig.capacity_per_expert: a fixed capacity instead of a factor")
     p.add_argument("--pad-to-capacity", action="store_true",
                    help="MoEConfig.pad_to_capacity: static shapes (needs a capacity)")
+    p.add_argument("--balanced", action="store_true",
+                   help="MoEConfig(force_balanced_routing=True): every expert gets the same "
+                        "number of tokens (debug mode: outputs are not the model's)")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--hidden", type=int, default=512)
@@ -686,6 +696,8 @@ def main() -> None:
         + (f" capacity_factor={args.capacity_factor}" if args.capacity_factor else "")
         + (f" capacity_per_expert={args.capacity_per_expert}" if args.capacity_per_expert else "")
         + (" pad_to_capacity" if args.pad_to_capacity else "")
+        + (" routing=forced_balanced (debug: outputs are not the model's)" if args.balanced
+           else "")
     )
     rows = "rows per rank" if args.layout in PARALLEL else "rows per expert"
     print(f"expert path: {result['path']}  {rows}: {result['counts']}")

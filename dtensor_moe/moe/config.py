@@ -101,6 +101,17 @@ class MoEConfig:
             capacity, so that every shape is static (no host read of counts; the sync-free
             expert-parallel exchange).
         init_std: standard deviation of the normal initialisation of all weights.
+        force_balanced_routing: a debug mode for benchmarks that CHANGES THE MODEL'S OUTPUTS:
+            the router ignores its scores for selection and sends the pairs of its ``T``
+            tokens to the experts round-robin (token ``t``'s ``k``-th expert is
+            ``(t * K + k) % E``), so every expert gets ``T * K / E`` pairs when ``E`` divides
+            ``T * K`` (otherwise the counts differ by at most 1) and, under expert
+            parallelism, every exchange is equal. The combine weights are still the gate's
+            scores of those experts (normalised and scaled as usual), so the gate gets
+            gradients and a step runs the same operations as a real one. For measuring
+            best-case throughput and memory under perfect balance only; never for training a
+            model. ``False`` (default): normal routing. See Note [Forced balanced routing] in
+            ``router.py``.
     """
 
     dim: int
@@ -131,6 +142,7 @@ class MoEConfig:
     drop_policy: DropPolicy = "probs"
     pad_to_capacity: bool = False
     init_std: float = 0.02
+    force_balanced_routing: bool = False
 
     def __post_init__(self) -> None:
         self._check_finite()
@@ -212,6 +224,11 @@ class MoEConfig:
         if not isinstance(self.fused_routed_step, bool):
             raise TypeError(
                 f"MoEConfig.fused_routed_step must be a bool, got {self.fused_routed_step!r}"
+            )
+        if not isinstance(self.force_balanced_routing, bool):
+            raise TypeError(
+                "MoEConfig.force_balanced_routing must be a bool (True or False), got "
+                f"{self.force_balanced_routing!r}"
             )
         if self.init_std <= 0:
             raise ValueError(f"MoEConfig.init_std must be positive, got {self.init_std}")

@@ -37,6 +37,7 @@ __all__ = [
     "RouterOutput",
     "TokenChoiceTopKRouter",
     "aux_loss_from_sums",
+    "balanced_topk_ids",
     "expert_counts",
     "sequence_aux_loss",
     "sequence_sums",
@@ -92,6 +93,46 @@ def expert_counts(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     ids_N = topk_ids_TK.reshape(-1)
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
     return counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
+
+
+def balanced_topk_ids(
+    num_tokens: int, top_k: int, num_experts: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """The expert ids of forced balanced routing (int64, shape ``(T, K)``): token ``t``'s
+    ``k``-th expert is ``(t * K + k) % E`` (Note [Forced balanced routing]).
+
+    Every expert gets ``T * K / E`` pairs when ``E`` divides ``T * K``; otherwise the first
+    ``T * K % E`` experts get one more. A token's ``K`` ids are ``K`` consecutive integers
+    modulo ``E``: distinct for ``K <= E``. Tensor ops only (no host read).
+    """
+    pairs_N = torch.arange(num_tokens * top_k, dtype=torch.int64, device=device)
+    return pairs_N.remainder(num_experts).view(num_tokens, top_k)
+
+
+# Note [Forced balanced routing]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``MoEConfig.force_balanced_routing`` is a debug mode for benchmarks, as torchtitan's
+# ``DEBUG_FORCE_LOAD_BALANCED``: it answers "how fast is a step, and does the model fit, when
+# the load is perfectly balanced?". It changes the model's outputs; it is never for training.
+# Only the selection changes (:meth:`TokenChoiceTopKRouter.select`); everything else of a
+# forward runs as usual, so the step does the same work as a real one:
+#
+# * the ids are :func:`balanced_topk_ids` over the ``T`` tokens this rank routes, in its local
+#   order. Every rank of a parallel layout routes its own tokens, so with ``E | T * K`` every
+#   rank sends every expert ``T * K / E`` rows: every expert-parallel exchange is equal. Under
+#   ``PrepareMoEInput(routing="replicate")`` every tp rank routes the same tokens and picks the
+#   same ids;
+# * the gate and the scores are computed as usual; the combine weights are the scores of the
+#   forced experts (:meth:`TokenChoiceTopKRouter.combine_weights`: ``route_norm``,
+#   ``route_scale``), so the gate receives gradients;
+# * the expert bias and the group limit do not apply to the forced ids (a token's ``K``
+#   consecutive ids may span more than ``num_limited_groups`` groups). ``tokens_per_expert``,
+#   ``RouterOutput.counts_E`` and the capacity's drops are those of the forced ids, so
+#   ``update_expert_bias`` sees equal counts and leaves the bias as it is when ``E | T * K``;
+# * the balance loss and the z-loss are computed as usual, from the scores and the forced ids;
+# * capacity applies as usual: with ``capacity_factor >= 1`` and ``E | T * K`` nothing drops.
+#
+# No host read and no graph break: :func:`balanced_topk_ids` is an ``arange`` and a remainder.
 
 
 def _counts_below(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -457,8 +498,14 @@ class TokenChoiceTopKRouter(nn.Module):
         return torch.sigmoid(logits_TE)
 
     def select(self, scores_TE: torch.Tensor) -> torch.Tensor:
-        """Expert ids of each token: top-k of the (biased, group-limited) detached scores."""
+        """Expert ids of each token: top-k of the (biased, group-limited) detached scores;
+        with ``force_balanced_routing``, :func:`balanced_topk_ids` instead (Note [Forced
+        balanced routing])."""
         cfg = self.config
+        if cfg.force_balanced_routing:
+            return balanced_topk_ids(
+                scores_TE.shape[0], cfg.top_k, cfg.num_experts, scores_TE.device
+            )
         select_TE = scores_TE.detach()
         if self.expert_bias is not None:
             select_TE = select_TE + self.expert_bias
@@ -541,6 +588,7 @@ class TokenChoiceTopKRouter(nn.Module):
                 if cfg.has_capacity
                 else ""
             )
+            + (", force_balanced_routing=True" if cfg.force_balanced_routing else "")
         )
 
 

@@ -1,7 +1,8 @@
 """The demo end to end: ``python -m dtensor_moe.demo`` and the same under torchrun.
 
 CI runs one small setting under ``torchrun --standalone --nproc-per-node 4`` (sequence length
-13, not divisible by tp=2), the plain launcher once with another layout, and the flag checks.
+13, not divisible by tp=2), the plain launcher once with another layout, once with pipeline
+parallelism (``--pp 2``, 8 processes), and the flag checks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import sys
 import pytest
 
 from dtensor_moe.demo.config import LayoutError, build_parser, resolve_config
-from dtensor_moe.demo.report import PARITY_TOLERANCE, load_lines, summarize, summary_lines
+from dtensor_moe.demo.report import (
+    PARAM_TOLERANCE,
+    PARITY_TOLERANCE,
+    load_lines,
+    summarize,
+    summary_lines,
+)
 from dtensor_moe.moe import LayerLoad
 from dtensor_moe.demo.train import StepRecord
 
@@ -143,6 +150,111 @@ def test_invalid_flags_messages(flags, world, message):
         _resolve(flags, world)
 
 
+@pytest.mark.parametrize(
+    ("flags", "world", "message"),
+    [
+        (["--pp", "3"], 8, r"^--pp 3 does not divide the 8 processes; .*--pp in \{1, 2, 4, 8\}"),
+        (["--pp", "0"], 8, r"^--pp must be >= 1, got 0$"),
+        (
+            ["--pp", "2", "--dp", "4"],
+            8,
+            r"^--dp 4 x --tp 2 = 8, but there are 4 processes of each of the 2 stages; "
+            r"pp \* dp \* tp must equal",
+        ),
+        (
+            ["--pp", "2", "--schedule", "interleaved"],
+            8,
+            r"^--layers 2 cannot be split evenly over the 4 stages of --pp 2 --schedule "
+            r"interleaved \(2 per pp rank\); choose --layers a multiple of 4$",
+        ),
+        (["--pp", "2", "--layers", "3"], 8, r"^--layers 3 cannot be split evenly over the 2 "),
+        (
+            ["--pp", "2", "--microbatches", "1"],
+            8,
+            r"^--microbatches 1 is fewer than the 2 stages; Schedule1F1B needs",
+        ),
+        (
+            ["--pp", "2", "--schedule", "interleaved", "--layers", "4", "--microbatches", "3"],
+            8,
+            r"^--microbatches 3 is not a multiple of --pp 2",
+        ),
+        (
+            ["--pp", "2", "--microbatches", "3"],
+            8,
+            r"^--batch 8 is not divisible by dp \* microbatches = 2 \* 3",
+        ),
+        (["--pp", "2", "--microbatches", "0"], 8, r"^--microbatches must be >= 1, got 0$"),
+        (["--pp", "2", "--compile"], 8, r"^--compile cannot be combined with --pp"),
+        (["--schedule", "gpipe"], 4, r"^--schedule gpipe needs --pp 2 or more"),
+        (["--microbatches", "2"], 4, r"^--microbatches 2 needs --pp 2 or more"),
+    ],
+)
+def test_invalid_pipeline_flags_messages(flags, world, message):
+    with pytest.raises(LayoutError, match=message):
+        _resolve(flags, world)
+
+
+def test_pipeline_defaults_and_world():
+    # --pp 2 on 8 processes: every stage has the default 4-rank layout
+    config = _resolve(["--pp", "2"], 8)
+    assert (config.world, config.pp, config.dp, config.tp, config.ep) == (8, 2, 2, 2, 2)
+    assert (config.schedule, config.microbatches, config.num_stages) == ("1f1b", 4, 2)
+    assert config.microbatch_size == 1 and config.layout_line().startswith(
+        "world=8  pp=2 (1f1b, 2 stages, 4 micro-batches)  dense: dp=2  tp=2"
+    )
+    interleaved = _resolve(["--pp", "2", "--schedule", "interleaved", "--layers", "4"], 8)
+    assert (interleaved.num_stages, interleaved.microbatches) == (4, 4)
+    assert _resolve(["--pp", "2", "--schedule", "gpipe", "--microbatches", "1"], 8).pp == 2
+    plain = _resolve([])  # without --pp nothing changes
+    assert (plain.pp, plain.microbatches) == (1, 1)
+    assert plain.layout_line() == "world=4  dense: dp=2  tp=2  sp=on  experts: ep=2  etp=1  edp=2"
+
+
+def test_pipeline_process_count_of_plain_launch():
+    from dtensor_moe.demo.launch import _plain_world
+
+    assert _plain_world(None, None, None, 2) == 8  # pp * the default 4
+    assert _plain_world(None, 1, 2, 2) == 4
+    assert _plain_world(6, None, None, 2) == 6
+    assert _plain_world(None, None, None) == 4
+
+
+def test_pipeline_flag_stops_before_starting(tmp_path):
+    flags = ["--pp", "2", "--schedule", "interleaved", "--out", str(tmp_path)]
+    proc = _run([sys.executable, "-m", "dtensor_moe.demo", *flags], timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "python -m dtensor_moe.demo: error: --layers 2 cannot be split evenly over the 4 stages "
+        "of --pp 2 --schedule interleaved (2 per pp rank); choose --layers a multiple of 4"
+    ]
+    assert not os.path.exists(tmp_path / "metrics.json")
+
+
+def test_pipeline_1f1b_eight_processes(tmp_path):
+    # --pp 2 --schedule 1f1b on 8 processes: two stages, each dp2 x tp2 with SP and EP2 (the
+    # default layout), FSDP2 in each stage; 4 micro-batches of one sequence per pipeline. The
+    # parity proof also compares every param after the last step with the rerun that
+    # accumulates the same micro-batches.
+    out = str(tmp_path / "out")
+    flags = "--pp 2 --schedule 1f1b --steps 3 --seq-len 13 --dim 32 --no-compare-balance"
+    cmd = [sys.executable, "-m", "dtensor_moe.demo", *flags.split(), "--out", out]
+    proc = _run(cmd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "on 8 gloo processes" in proc.stdout, proc.stdout
+    assert "Schedule1F1B, 4 micro-batches of 1 sequence(s) per pipeline" in proc.stdout
+    assert "accumulating the same 4 micro-batches per step" in proc.stdout, proc.stdout
+    assert "max |param difference| after step 3" in proc.stdout and "-> OK" in proc.stdout
+    # load_stats with meshes=: every layer of both stages, on rank 0 (a stage-0 rank)
+    assert "layers.0.moe: tokens/expert" in proc.stdout, proc.stdout
+    assert "layers.1.moe: tokens/expert" in proc.stdout, proc.stdout
+    metrics = _check_metrics(out, steps=3)
+    config, summary = metrics["config"], metrics["summary"]
+    layout = (config["world"], config["pp"], config["dp"], config["tp"], config["ep"])
+    assert layout == (8, 2, 2, 2, 2)
+    assert (config["schedule"], config["microbatches"]) == ("1f1b", 4)
+    assert summary["max_param_diff"] <= PARAM_TOLERANCE, summary
+
+
 def test_ep_suggestion_for_six_experts():
     # 6 experts on dp2 x tp2: ep 3 and 6 divide the experts but not the mesh, so only 1 and 2
     with pytest.raises(LayoutError) as err:
@@ -247,6 +359,21 @@ def test_parity_tolerance_is_tight():
     bad, line = _parity([4.0, 3.0, 2.0 + 2e-5, 1.5], loads)
     assert not bad.parity_ok and bad.max_loss_diff == pytest.approx(2e-5), bad
     assert "every token routed identically" in line and "(tolerance 1e-05) -> FAILED" in line
+
+
+def test_pipeline_parity_needs_the_params():
+    # --pp: equal losses and routing, but a param off by more than PARAM_TOLERANCE fails
+    config = _resolve(["--pp", "2", "--steps", "4", "--no-compare-balance"], 8)
+    loads = [0.5, 0.5, 0.25, 0.75]
+    runs = {"distributed": _records([4.0, 3.0, 2.0, 1.5], loads)}
+    runs["reference"] = _records([4.0, 3.0, 2.0, 1.5], loads)
+    for diff, ok in ((PARAM_TOLERANCE / 2, True), (3e-3, False)):
+        summary = summarize(runs, config, entropy_rate=1.4, max_param_diff=diff)
+        line = summary_lines(summary, config)[1]
+        assert summary.parity_ok is ok and summary.max_param_diff == diff, summary
+        assert "accumulating the same 4 micro-batches per step" in line, line
+        assert f"max |param difference| after step 4 {diff:.2e}" in line, line
+        assert line.count("-> OK" if ok else "-> FAILED") == 1, line
 
 
 def test_parity_fails_when_routing_diverges():

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from dtensor_moe import MoEConfig
 from dtensor_moe.demo.model import ModelConfig
 
-__all__ = ["DemoConfig", "LayoutError", "build_parser", "resolve_config"]
+__all__ = ["SCHEDULES", "DemoConfig", "LayoutError", "build_parser", "resolve_config"]
 
-DEFAULT_WORLD = 4
+DEFAULT_WORLD = 4  # processes of one pipeline stage (of the whole run without --pp)
+
+# --schedule: torch.distributed.pipelining schedule, and how many stages each pp rank runs
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
 
 class LayoutError(ValueError):
@@ -44,19 +47,38 @@ class DemoConfig:
     compare_balance: bool
     compile: bool = False
     compile_backend: str = "inductor"
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch * self.seq_len
 
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: ``pp`` times the stages each pp rank runs."""
+        return self.pp * SCHEDULES[self.schedule] if self.pp > 1 else 1
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per micro-batch of one pipeline (one dp rank of every stage)."""
+        return self.batch // (self.dp * self.microbatches)
+
     def layout_line(self) -> str:
         sp = "on" if self.sequence_parallel and self.tp > 1 else "off"
         etp = self.tp if self.expert_tp else 1
-        experts = f"ep={self.ep}  etp={etp}  edp={self.world // (self.ep * etp)}"
+        experts = f"ep={self.ep}  etp={etp}  edp={self.world // (self.pp * self.ep * etp)}"
         compiled = "  compiled blocks" if self.compile else ""
+        pipeline = (
+            f"  pp={self.pp} ({self.schedule}, {self.num_stages} stages, "
+            f"{self.microbatches} micro-batches)"
+            if self.pp > 1
+            else ""
+        )
         return (
-            f"world={self.world}  dense: dp={self.dp}  tp={self.tp}  sp={sp}  experts: {experts}"
-            f"{compiled}"
+            f"world={self.world}{pipeline}  dense: dp={self.dp}  tp={self.tp}  sp={sp}  "
+            f"experts: {experts}{compiled}"
         )
 
 
@@ -82,26 +104,28 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=_HelpFormatter,
     )
-    layout = parser.add_argument_group("layout (dp * tp must equal the number of processes)")
+    layout = parser.add_argument_group(
+        "layout (pp * dp * tp must equal the number of processes; pp is 1 without --pp)"
+    )
     layout.add_argument(
         "--nproc",
         type=int,
         default=None,
         help=f"processes to launch when not under torchrun "
-        f"(default: dp * tp when both are given, else {DEFAULT_WORLD})",
+        f"(default: pp * dp * tp when dp and tp are given, else pp * {DEFAULT_WORLD})",
     )
     layout.add_argument(
         "--dp",
         type=int,
         default=None,
-        help="data-parallel (FSDP2) degree of the dense params (default: processes // tp)",
+        help="data-parallel (FSDP2) degree of the dense params (default: processes // (pp * tp))",
     )
     layout.add_argument(
         "--tp",
         type=int,
         default=None,
         help="tensor-parallel degree of attention, embeddings and LM head "
-        "(default: 2 when the process count is even, else 1)",
+        "(default: 2 when the processes of a stage are even in number, else 1)",
     )
     layout.add_argument(
         "--ep",
@@ -124,6 +148,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="sequence parallelism on the tp ranks (norms and residual stream "
         "sharded on the sequence dim; any --seq-len works)",
+    )
+    pipeline = parser.add_argument_group(
+        "pipeline parallelism (torch.distributed.pipelining; each stage gets the layout above)"
+    )
+    pipeline.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages of consecutive ranks; the blocks are split evenly between them",
+    )
+    pipeline.add_argument(
+        "--schedule",
+        choices=tuple(SCHEDULES),
+        default=None,
+        help="pipeline schedule: ScheduleGPipe, Schedule1F1B, or ScheduleInterleaved1F1B with "
+        "2 stages per pp rank (default with --pp: 1f1b)",
+    )
+    pipeline.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches per step of each pipeline; --batch must be divisible by "
+        "dp * microbatches (default with --pp: 2 * pp)",
     )
     model = parser.add_argument_group("model")
     model.add_argument("--vocab", type=int, default=64, help="vocabulary size (Markov states)")
@@ -197,6 +244,8 @@ def _divisors(n: int) -> str:
 def _check_positive(args: argparse.Namespace) -> None:
     for flag in (
         "nproc",
+        "pp",
+        "microbatches",
         "dp",
         "tp",
         "ep",
@@ -221,19 +270,73 @@ def _check_positive(args: argparse.Namespace) -> None:
         _fail(f"--max-norm must be > 0, got {args.max_norm}")
 
 
-def _resolve_degrees(args: argparse.Namespace, world: int) -> tuple[int, int]:
-    """``(dp, tp)`` from the flags and the process count; ``dp * tp == world``."""
-    tp = args.tp if args.tp is not None else (2 if world % 2 == 0 else 1)
-    fix = f"choose --tp in {{{_divisors(world)}}} and --dp = {world} // tp"
-    if args.dp is None and world % tp != 0:
-        _fail(f"--tp {tp} does not divide the {world} processes; {fix}")
-    dp = args.dp if args.dp is not None else world // tp
-    if dp * tp != world:
+def _resolve_degrees(args: argparse.Namespace, world: int, pp: int) -> tuple[int, int]:
+    """``(dp, tp)`` from the flags and the process count; ``pp * dp * tp == world``."""
+    if world % pp != 0:
         _fail(
-            f"--dp {dp} x --tp {tp} = {dp * tp}, but there are {world} processes; dp * tp "
+            f"--pp {pp} does not divide the {world} processes; every stage holds processes / pp "
+            f"of them (choose --pp in {{{_divisors(world)}}}, or {pp} * dp * tp processes)"
+        )
+    stage = world // pp
+    tp = args.tp if args.tp is not None else (2 if stage % 2 == 0 else 1)
+    fix = f"choose --tp in {{{_divisors(stage)}}} and --dp = {stage} // tp"
+    where = f"{world} processes"
+    if pp > 1:
+        where = f"{stage} processes of each of the {pp} stages"
+        fix += f", or --nproc {pp} * dp * tp"
+    if args.dp is None and stage % tp != 0:
+        _fail(f"--tp {tp} does not divide the {where}; {fix}")
+    dp = args.dp if args.dp is not None else stage // tp
+    if dp * tp != stage:
+        if pp == 1:
+            _fail(
+                f"--dp {dp} x --tp {tp} = {dp * tp}, but there are {world} processes; dp * tp "
+                f"must equal the number of processes: {fix}"
+            )
+        _fail(
+            f"--dp {dp} x --tp {tp} = {dp * tp}, but there are {where}; pp * dp * tp "
             f"must equal the number of processes: {fix}"
         )
     return dp, tp
+
+
+def _resolve_pipeline(args: argparse.Namespace, dp: int) -> tuple[str, int]:
+    """``(schedule, microbatches)``; see docs/pipeline.md, Demo."""
+    pp = args.pp
+    if pp == 1:
+        for flag, value in (("--schedule", args.schedule), ("--microbatches", args.microbatches)):
+            if value is not None:
+                _fail(f"{flag} {value} needs --pp 2 or more (pipeline parallelism); drop it")
+        return "1f1b", 1
+    schedule = args.schedule if args.schedule is not None else "1f1b"
+    microbatches = args.microbatches if args.microbatches is not None else 2 * pp
+    stages = pp * SCHEDULES[schedule]
+    if args.layers % stages != 0:
+        per_rank = f" ({SCHEDULES[schedule]} per pp rank)" if SCHEDULES[schedule] > 1 else ""
+        _fail(
+            f"--layers {args.layers} cannot be split evenly over the {stages} stages of --pp {pp} "
+            f"--schedule {schedule}{per_rank}; choose --layers a multiple of {stages}"
+        )
+    if schedule == "1f1b" and microbatches < pp:
+        _fail(
+            f"--microbatches {microbatches} is fewer than the {pp} stages; Schedule1F1B needs at "
+            f"least one per stage (choose --microbatches >= {pp})"
+        )
+    if schedule == "interleaved" and microbatches % pp != 0:
+        _fail(
+            f"--microbatches {microbatches} is not a multiple of --pp {pp}; "
+            f"ScheduleInterleaved1F1B runs them in rounds of pp (choose a multiple of {pp})"
+        )
+    if args.batch % (dp * microbatches) != 0:
+        _fail(
+            f"--batch {args.batch} is not divisible by dp * microbatches = {dp} * {microbatches}; "
+            f"each of the {dp} pipelines splits its batch / dp sequences into {microbatches} "
+            f"micro-batches (choose --batch a multiple of {dp * microbatches}, or other "
+            "--microbatches)"
+        )
+    if args.compile:
+        _fail("--compile cannot be combined with --pp yet (the pipeline is run eagerly); drop one")
+    return schedule, microbatches
 
 
 def _check_model(args: argparse.Namespace, dp: int, tp: int) -> None:
@@ -343,8 +446,9 @@ def _resolve_experts(args: argparse.Namespace, dp: int, tp: int, hidden: int) ->
 def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
     """Check the flags for ``world`` processes; :class:`LayoutError` names the first problem."""
     _check_positive(args)
-    dp, tp = _resolve_degrees(args, world)
+    dp, tp = _resolve_degrees(args, world, args.pp)
     _check_model(args, dp, tp)
+    schedule, microbatches = _resolve_pipeline(args, dp)
     hidden = args.hidden if args.hidden is not None else 2 * args.dim
     ep, expert_tp = _resolve_experts(args, dp, tp, hidden)
     try:
@@ -380,4 +484,7 @@ def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
         compare_balance=args.compare_balance,
         compile=args.compile,
         compile_backend=args.compile_backend,
+        pp=args.pp,
+        schedule=schedule,
+        microbatches=microbatches,
     )

@@ -48,6 +48,7 @@ from dtensor_moe.demo.config import (
 )
 from dtensor_moe.demo.data import MarkovChain
 from dtensor_moe.demo.layout import apply_layout, describe_layout
+from dtensor_moe.demo.pipeline import Pipeline, full_params
 from dtensor_moe.demo.report import (
     load_lines,
     progress_line,
@@ -55,23 +56,34 @@ from dtensor_moe.demo.report import (
     summary_lines,
     write_outputs,
 )
-from dtensor_moe.demo.train import build_model, run_single_process, train
+from dtensor_moe.demo.train import (
+    build_model,
+    run_single_process,
+    run_single_process_with_params,
+    train,
+)
 from dtensor_moe.parallel import build_moe_meshes
 from dtensor_moe.parallel.objects import all_gather_objects
 
 __all__ = ["main", "run_rank"]
+
+_SCHEDULE_NAMES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+}
 
 
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _plain_world(nproc: int | None, dp: int | None, tp: int | None) -> int:
+def _plain_world(nproc: int | None, dp: int | None, tp: int | None, pp: int = 1) -> int:
     if nproc is not None:
         return nproc
     if dp is not None and tp is not None:
-        return dp * tp
-    return DEFAULT_WORLD
+        return pp * dp * tp
+    return pp * DEFAULT_WORLD
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torchrun = _under_torchrun()
     world = (
-        int(os.environ["WORLD_SIZE"]) if torchrun else _plain_world(args.nproc, args.dp, args.tp)
+        int(os.environ["WORLD_SIZE"])
+        if torchrun
+        else _plain_world(args.nproc, args.dp, args.tp, max(args.pp, 1))
     )
     try:
         if torchrun and args.nproc is not None and args.nproc != world:
@@ -155,10 +169,18 @@ def _run(config: DemoConfig, start: float) -> int:
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
     chain = MarkovChain.random(config.model.vocab_size, seed=config.seed)
-    meshes = build_moe_meshes(dp=config.dp, ep=config.ep, tp=config.tp, expert_tp=config.expert_tp)
-    model = build_model(config.model, config.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    apply_layout(model, meshes, sequence_parallel=config.sequence_parallel)
+    meshes = build_moe_meshes(
+        pp=config.pp, dp=config.dp, ep=config.ep, tp=config.tp, expert_tp=config.expert_tp
+    )
+    pipeline = None
+    if config.pp > 1:  # Note [Demo pipeline] in pipeline.py
+        n_params = sum(p.numel() for p in build_model(config.model, config.seed).parameters())
+        pipeline = Pipeline.build(config, meshes)
+        model = pipeline.modules
+    else:
+        model = build_model(config.model, config.seed)
+        n_params = sum(p.numel() for p in model.parameters())
+        apply_layout(model, meshes, sequence_parallel=config.sequence_parallel)
     if config.compile:
         for block in model.layers:  # in place: parameter names stay as they are
             block.compile(backend=config.compile_backend)
@@ -172,16 +194,19 @@ def _run(config: DemoConfig, start: float) -> int:
         dp_size=config.dp,
         group=dist.group.WORLD,
         on_step=lambda r: say(progress_line(r, config.steps), flush=True),
+        pipeline=pipeline,
     )
     train_s = time.time() - start
     if records:
         say("\n".join(load_lines(records[-1])), flush=True)
     say(f"distributed run done; rerunning the {config.steps} steps in one process ...", flush=True)
-    runs = _single_process_runs(config, chain, rank)
+    params = _gather_stage_params(model, meshes) if pipeline is not None else None
+    runs, ref_params = _single_process_runs(config, chain, rank)
     if rank != 0:
         return 0
     runs["distributed"] = records
-    summary = summarize(runs, config, chain.entropy_rate())
+    param_diff = _max_param_diff(params, ref_params) if params is not None else None
+    summary = summarize(runs, config, chain.entropy_rate(), max_param_diff=param_diff)
     wall = time.time() - start
     meta = {
         "layout": mesh_lines,
@@ -205,12 +230,39 @@ def _run(config: DemoConfig, start: float) -> int:
     return 0
 
 
-def _single_process_runs(config: DemoConfig, chain: MarkovChain, rank: int) -> dict:
-    """Rank 0: the parity rerun; rank 1 (rank 0 on one process): the other balance setting."""
+def _gather_stage_params(model: torch.nn.Module, meshes) -> dict[str, torch.Tensor] | None:
+    """Every param of every stage, whole, on rank 0 (``None`` elsewhere); every rank calls it.
+
+    The first rank of each stage gathers its stage's params (a collective over the stage's
+    meshes) and sends them to rank 0 with one object all-gather over all ranks.
+    """
+    params = full_params(model)
+    first_of_stage = dist.get_rank() == meshes.stage_ranks[0]
+    gathered = all_gather_objects(params if first_of_stage else None)
+    if dist.get_rank() != 0:
+        return None
+    return {name: p for stage in gathered if stage is not None for name, p in stage.items()}
+
+
+def _max_param_diff(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """Largest ``|param - reference|`` over every element of every param (same names)."""
+    if params.keys() != ref.keys():
+        missing = sorted(ref.keys() ^ params.keys())
+        raise RuntimeError(f"the pipeline stages and the reference differ in params: {missing}")
+    return max(float((params[name] - ref[name]).abs().max()) for name in ref)
+
+
+def _single_process_runs(
+    config: DemoConfig, chain: MarkovChain, rank: int
+) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """Rank 0: the parity rerun (and its params after the last step); rank 1 (rank 0 on one
+    process): the other balance setting."""
     world = dist.get_world_size()
-    runs = {}
+    runs, ref_params = {}, None
     if rank == 0:
-        runs["reference"] = run_single_process(config, chain, balance=config.balance)
+        runs["reference"], ref_params = run_single_process_with_params(
+            config, chain, balance=config.balance
+        )
     comparison_rank = 1 if world > 1 else 0
     comparison = None
     if config.compare_balance and rank == comparison_rank:
@@ -221,7 +273,7 @@ def _single_process_runs(config: DemoConfig, chain: MarkovChain, rank: int) -> d
             comparison = gathered[comparison_rank] if rank == 0 else None
         if rank == 0:
             runs["comparison"] = comparison
-    return runs
+    return runs, ref_params
 
 
 def _print_header(
@@ -234,11 +286,22 @@ def _print_header(
         f"{n_params / 1e6:.2f}M params) on {config.world} gloo processes"
     )
     say(f"layout: {config.layout_line()}")
+    across = "the meshes"
+    if config.pp > 1:
+        per_stage, per_rank = m.n_layers // config.num_stages, config.num_stages // config.pp
+        say(
+            f"pipeline: {config.num_stages} stages of {per_stage} block(s), {per_rank} on each "
+            f"of the {config.pp} groups of {config.world // config.pp} ranks; "
+            f"{_SCHEDULE_NAMES[config.schedule]}, {config.microbatches} micro-batches of "
+            f"{config.microbatch_size} sequence(s) per pipeline; the params of rank 0's "
+            f"stage{'s' if per_rank > 1 else ''}:"
+        )
+        across = "the meshes and the stages (pp_mesh)"
     for line in mesh_lines:
         say(f"  params on {line}")
     say(
         f"one fused AdamW over all params; dtensor_moe.clip_grad_norm_(max_norm={config.max_norm}) "
-        f"across the meshes; load balancing {'on' if config.balance else 'off'}"
+        f"across {across}; load balancing {'on' if config.balance else 'off'}"
     )
     say(
         f"data: Markov chain over {m.vocab_size} tokens, entropy rate {chain.entropy_rate():.4f} "

@@ -49,8 +49,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_moe import MoEMeshes, fully_shard_moe, parallelize_dense, parallelize_moe
 from dtensor_moe.demo.model import MoETransformer
+from dtensor_moe.parallel import DenseNames
 
-__all__ = ["apply_layout", "describe_layout"]
+__all__ = ["apply_layout", "apply_stage_layout", "describe_layout"]
 
 
 def apply_layout(model: MoETransformer, meshes: MoEMeshes, *, sequence_parallel: bool) -> None:
@@ -66,6 +67,29 @@ def apply_layout(model: MoETransformer, meshes: MoEMeshes, *, sequence_parallel:
     if meshes.tp > 1 or meshes.ep > 1:
         parallelize_moe(model, meshes, sequence_parallel=sp)
     fully_shard_moe(model, meshes, blocks=model.layers)
+
+
+def apply_stage_layout(stage: nn.Module, meshes: MoEMeshes, *, sequence_parallel: bool) -> None:
+    """:func:`apply_layout` for one pipeline stage (``--pp``), on the stage's ``meshes``.
+
+    ``stage`` is a :class:`~dtensor_moe.demo.pipeline.StageModel`: the model's names, without
+    the embedding, final norm or LM head where another stage holds them. FSDP2 keeps the params
+    gathered between forward and backward (``reshard_after_forward=False``), as
+    docs/pipeline.md says to under a schedule.
+    """
+    sp = sequence_parallel and meshes.tp > 1
+    if meshes.tp > 1:
+        names = DenseNames(
+            embedding="tok_embeddings" if stage.tok_embeddings is not None else None,
+            final_norm="norm" if stage.norm is not None else None,
+            output="output" if stage.output is not None else None,
+        )
+        parallelize_dense(stage, meshes.dense["tp"], sequence_parallel=sp, names=names)
+    if meshes.tp > 1 or meshes.ep > 1:
+        parallelize_moe(stage, meshes, sequence_parallel=sp)
+    fully_shard_moe(
+        stage, meshes, blocks=list(stage.layers.values()), reshard_after_forward=False
+    )
 
 
 _PARAM_KINDS = (  # (name fragment, what to call it), first match wins

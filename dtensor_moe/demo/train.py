@@ -21,6 +21,13 @@ One step, on every rank (Note [Demo step]):
 
 The single-process rerun calls the same function with ``group=None``: same seed, same initial
 weights, same global batches, so its losses must match the distributed ones.
+
+Under pipeline parallelism (``--pp``) step 2 is one ``schedule.step`` of
+:class:`~dtensor_moe.demo.pipeline.Pipeline` over this pipeline's rows, the clip also reduces over
+``pp_mesh``, and the counters and the bias update are per stage (``meshes=``). The rerun then
+accumulates the same global micro-batches: micro-batch ``m`` is the ``m``-th micro-batch of
+every pipeline, and each one's loss is divided by their number before its backward
+(Note [Demo pipeline] in ``pipeline.py``).
 """
 
 # ruff: noqa: N803, N806, N812
@@ -31,6 +38,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -44,7 +52,17 @@ from dtensor_moe.demo.model import ModelConfig, MoETransformer
 from dtensor_moe.moe import LayerLoad, TokenChoiceTopKRouter, load_stats, update_expert_bias
 from dtensor_moe import collect_aux_losses
 
-__all__ = ["StepRecord", "build_model", "run_single_process", "train"]
+if TYPE_CHECKING:
+    from dtensor_moe.demo.pipeline import Pipeline
+
+__all__ = [
+    "StepRecord",
+    "build_model",
+    "microbatch_rows",
+    "run_single_process",
+    "run_single_process_with_params",
+    "train",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,14 +88,57 @@ def _routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:
     return [m for m in model.modules() if isinstance(m, TokenChoiceTopKRouter)]
 
 
-def _load(model: nn.Module, group: dist.ProcessGroup | None) -> tuple[LayerLoad, ...]:
+def _load(
+    model: nn.Module, group: dist.ProcessGroup | None, pipeline: Pipeline | None
+) -> tuple[LayerLoad, ...]:
     """Tokens routed to each expert of each layer this step, summed over ``group``.
 
     Every token is counted by exactly one rank (Note [Global router statistics] in
     ``dtensor_moe/parallel/token_parallel.py``), so the sum is the global count. The
-    single-process rerun (``group=None``) runs inside the distributed job: "local" then.
+    single-process rerun (``group=None``) runs inside the distributed job: "local" then. Under
+    pipeline parallelism every stage's layers come to every rank, sorted by layer index.
     """
+    if pipeline is not None:
+        layers = load_stats(list(model), meshes=pipeline.meshes)
+        return tuple(sorted(layers, key=lambda layer: int(layer.name.split(".")[1])))
     return tuple(load_stats(model, process_group=group if group is not None else "local"))
+
+
+def microbatch_rows(config: DemoConfig) -> list[torch.Tensor]:
+    """Rows of the global batch in each global micro-batch: micro-batch ``m`` of every pipeline.
+
+    Pipeline ``d`` (dp rank ``d`` of every stage) takes rows ``d * batch / dp`` onwards, and the
+    schedule splits them into ``config.microbatches`` consecutive chunks.
+    """
+    local, size = config.batch // config.dp, config.microbatch_size
+    return [
+        torch.cat([torch.arange(size) + d * local + m * size for d in range(config.dp)])
+        for m in range(config.microbatches)
+    ]
+
+
+def _forward_backward(
+    model: nn.Module, inputs_BL: torch.Tensor, targets_BL: torch.Tensor, config: DemoConfig
+) -> torch.Tensor:
+    """Forward and backward in this process; returns the cross-entropy (without router losses).
+
+    Without ``--pp``: the whole batch at once. With it (the single-process rerun only): the
+    global micro-batches of :func:`microbatch_rows`, each loss divided by their number.
+    """
+    if config.pp == 1:
+        with collect_aux_losses() as aux:
+            logits_BLV = model(inputs_BL)
+        loss = F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten())
+        (loss + aux.total()).backward()  # the reported loss is the cross-entropy alone
+        return loss
+    losses = []
+    for rows in microbatch_rows(config):
+        with collect_aux_losses() as aux:
+            logits_BLV = model(inputs_BL[rows])
+        loss = F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL[rows].flatten())
+        ((loss + aux.total()) / config.microbatches).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
 
 
 def _imbalance(counts_ME: torch.Tensor) -> float:
@@ -103,11 +164,14 @@ def train(
     dp_size: int,
     group: dist.ProcessGroup | None,
     on_step: Callable[[StepRecord], None] | None = None,
+    pipeline: Pipeline | None = None,
 ) -> list[StepRecord]:
     """Train ``model`` for ``config.steps`` steps; see Note [Demo step] in this module.
 
     ``group`` is the process group of all ranks (``None`` in a single process): the loss and the
-    expert counters are reduced over it, and so is the expert-bias update.
+    expert counters are reduced over it, and so is the expert-bias update. With ``pipeline``,
+    ``model`` is an ``nn.ModuleList`` of this rank's stage modules, and ``pipeline`` runs the
+    forward and backward of every micro-batch.
     """
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, fused=True)
     balance = any(router.expert_bias is not None for router in _routers(model))
@@ -117,23 +181,29 @@ def train(
         start = time.perf_counter()
         inputs_BL, targets_BL = chain.batch(step, config.batch, config.seq_len)
         rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
-        with collect_aux_losses() as aux:
-            logits_BLV = model(inputs_BL[rows])
-        loss = F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL[rows].flatten())
-        (loss + aux.total()).backward()  # the reported loss is the cross-entropy alone
-        grad_norm = dtensor_moe.clip_grad_norm_(model.parameters(), config.max_norm)
-        load = _load(model, group)
+        if pipeline is None:
+            loss = _forward_backward(model, inputs_BL[rows], targets_BL[rows], config)
+            pp_mesh = None
+        else:
+            loss = pipeline.step(inputs_BL[rows], targets_BL[rows])
+            pp_mesh = pipeline.meshes.pp_mesh
+        grad_norm = dtensor_moe.clip_grad_norm_(
+            model.parameters(), config.max_norm, pp_mesh=pp_mesh
+        )
+        load = _load(model, group, pipeline)
         counts_ME = torch.tensor([layer.counts for layer in load], dtype=torch.float64)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if balance:
+        if balance and pipeline is not None:
+            update_expert_bias(model, config.bias_rate, meshes=pipeline.meshes)
+        elif balance:
             update_expert_bias(model, config.bias_rate, process_group=group)
         else:
             for router in _routers(model):
                 router.reset_counters()
         record = StepRecord(
             step=step + 1,
-            loss=_global_mean(loss, group),
+            loss=_global_mean(loss, group) if pipeline is None else pipeline.global_loss(loss),
             grad_norm=float(grad_norm),
             tokens_per_s=config.tokens_per_step / (time.perf_counter() - start),
             imbalance=_imbalance(counts_ME),
@@ -153,6 +223,14 @@ def run_single_process(
 
     ``balance`` switches the expert bias on or off; the initial weights do not depend on it.
     """
+    return run_single_process_with_params(config, chain, balance=balance)[0]
+
+
+def run_single_process_with_params(
+    config: DemoConfig, chain: MarkovChain, *, balance: bool
+) -> tuple[list[StepRecord], dict[str, torch.Tensor]]:
+    """:func:`run_single_process`, and the params after the last step, by name."""
     moe = dataclasses.replace(config.model.moe, use_expert_bias=balance)
     model = build_model(dataclasses.replace(config.model, moe=moe), config.seed)
-    return train(model, config, chain, dp_rank=0, dp_size=1, group=None)
+    records = train(model, config, chain, dp_rank=0, dp_size=1, group=None)
+    return records, {name: p.detach() for name, p in model.named_parameters()}

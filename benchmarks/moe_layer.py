@@ -29,7 +29,7 @@ The parallel layouts also print an account of CPU time, because on CPU, with mor
 cores, a step is bound by CPU time summed over ranks rather than by any one rank's critical
 path: the process CPU time (every thread, gloo's included) of step and floor, per rank, and
 the process CPU time of the step's all-to-alls alone. Those are the ``all_to_all_single`` calls of
-the one-node expert-parallel path (not the all-gathers and reduce-scatters of a ``gather``
+the expert-parallel exchanges (not the all-gathers and reduce-scatters of a ``gather``
 layout), replayed at the sizes and in the order that one step issued them, between the same
 barriers, with no expert math around them. When every core is busy, ``exchanges / floor`` is
 what they add to ``step / floor`` however well they overlap.
@@ -48,8 +48,8 @@ otherwise), per step, with the count of device kernels per step: where ``step - 
 In a parallel layout every rank profiles the same calls and rank 0 prints its tables (its waits
 on the other ranks included, as ``wait``/collective rows).
 
-``--free-exchanges`` is a diagnostic for the parallel layouts: the one-node expert-parallel
-path's all-to-alls become local copies, as if every rank received exactly the rows it sent.
+``--free-exchanges`` is a diagnostic for the parallel layouts: the expert-parallel
+all-to-alls become local copies, as if every rank received exactly the rows it sent.
 The outputs are wrong, but the work is that of a symmetric exchange, so the ratio shows what
 the layer costs without the exchanges themselves (``docs/benchmarks.md``).
 
@@ -76,7 +76,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dtensor_moe.moe import MoE, MoEConfig, TokenDispatcher, grouped_swiglu
+from dtensor_moe.moe import MoE, MoEConfig, grouped_swiglu, permute_tokens
 from dtensor_moe.moe.experts import resolve_compute_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -142,10 +142,11 @@ def _routed_rows(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     with torch.no_grad():
         x_TD = x.reshape(-1, x.shape[-1])
         routing = moe.router(x_TD)
-        routed_RD, counts_e, _ = moe.experts.dispatcher.dispatch(
+        routed = moe.experts.dispatcher.dispatch(
             x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E, routing.capacity
         )
-    return routed_RD.clone().requires_grad_(), counts_e
+        routed_RD = permute_tokens(x_TD, routed.layout)
+    return routed_RD.clone().requires_grad_(), routed.layout.counts_e
 
 
 def _timed_cpu(fn: Callable[[], None]) -> tuple[float, float]:
@@ -366,24 +367,27 @@ def _parallel_input(args, layout: ParallelLayout, meshes, dtype) -> tuple[torch.
 
 
 def _captured_rows(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routed rows and counts that reach this rank's experts in one forward."""
-    seen = {}
+    """The routed rows and counts that reach this rank's experts in one forward (the received
+    rows and the own rows together, grouped by local expert)."""
+    seen = []
     compute = moe.experts.compute
 
-    def capture(routed_RD, counts_e):
-        seen["rows"] = (routed_RD.detach().clone(), counts_e.clone())
-        return compute(routed_RD, counts_e)
+    def capture(source_SD, scores, layout, weights=None):
+        seen.append((permute_tokens(source_SD, layout).detach(), layout.counts_e.tolist()))
+        return compute(source_SD, scores, layout, weights)
 
-    dispatcher = moe.experts.dispatcher
     moe.experts.compute = capture
-    # The plain dispatch -> compute -> combine path, so that ``compute`` sees every routed row.
-    dispatcher.run_experts = functools.partial(TokenDispatcher.run_experts, dispatcher)
     try:
         with torch.no_grad():
             moe(x)
     finally:
-        del moe.experts.compute, dispatcher.run_experts
-    return seen["rows"]
+        del moe.experts.compute
+    groups, counts = [], []
+    for j in range(len(seen[0][1])):
+        parts = [rows.split(c)[j] for rows, c in seen]
+        groups += parts
+        counts.append(sum(p.shape[0] for p in parts))
+    return torch.cat(groups).clone(), torch.tensor(counts, dtype=torch.int64)
 
 
 class _Done:
@@ -452,16 +456,17 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
     path = resolve_compute_path(args.path, routed_RD, w1, counts_e.tolist())
     grad_RD = torch.randn_like(routed_RD)
     import dtensor_moe.parallel.dispatch as dispatch_module
+    import dtensor_moe.parallel.exchange as exchange_module
 
     step = _step_fn(moe, x, grad_y)
     recorder = _RecordedExchanges()
-    dispatch_module.dist = recorder
+    dispatch_module.dist = exchange_module.dist = recorder
     try:
         step()
     finally:
-        dispatch_module.dist = dist
+        dispatch_module.dist = exchange_module.dist = dist
     if args.free_exchanges:
-        dispatch_module.dist = _LocalExchanges()
+        dispatch_module.dist = exchange_module.dist = _LocalExchanges()
 
     def exchanges() -> None:
         for out, inp, out_splits, in_splits, group in recorder.calls:
@@ -602,15 +607,15 @@ def _parse() -> argparse.Namespace:
     p.add_argument(
         "--free-exchanges",
         action="store_true",
-        help="diagnostic, parallel layouts only: the one-node expert-parallel path's "
+        help="diagnostic, parallel layouts only: the expert-parallel "
         "all-to-alls become local copies (outputs are wrong; the work is that of a symmetric "
         "exchange), to show what the exchanges themselves cost",
     )
     p.add_argument(
         "--no-overlap",
         action="store_true",
-        help="parallel layouts: the plain dispatch -> compute -> combine path with functional "
-        "collectives instead of the one-node overlapped step (parallelize_moe(ep_overlap=False))",
+        help="parallel layouts: every row through the exchange, the own rows included, none "
+        "computed while the outputs travel (parallelize_moe(ep_overlap=False))",
     )
     p.add_argument(
         "--compile",
@@ -713,12 +718,12 @@ def main() -> None:
         )
         if result["exchanges"]:
             print(
-                f"the one-node path's {result['exchanges']} all-to-alls replayed alone: wall "
+                f"the step's {result['exchanges']} all-to-alls replayed alone: wall "
                 f"{result['exchanges_ms']:.2f} ms, process CPU {result['cpu_exchanges_ms']:.2f} "
                 f"ms per rank = {result['cpu_exchanges_share']:.3f} of the floor's"
             )
         else:
-            print("no one-node expert-parallel exchange in this layout: nothing replayed")
+            print("no expert-parallel exchange in this layout: nothing replayed")
     if args.compile:
         _print_compiled(args, result)
 

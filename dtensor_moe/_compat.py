@@ -12,15 +12,11 @@ public equivalent in torch 2.13; a helper here would only rename them.
 
     dtensor_moe/moe/experts.py: torch._grouped_mm -- the grouped expert matmul
     dtensor_moe/parallel/dispatch.py: torch.distributed._functional_collectives -- the
-        count/token all-to-alls of the plain EP path (all_to_all_single[_autograd], wait_tensor)
-        and the static exchange at capacity, which traces under torch.compile
+        all-gather of the identical-tokens check (all_gather_single)
     dtensor_moe/moe/losses.py: torch.distributed._functional_collectives -- the all-reduce of
         the global-batch router statistics (traceable under torch.compile)
     dtensor_moe/parallel/token_parallel.py: torch.distributed._functional_collectives -- the
         all-gather of the routing table for expert capacity over a tp group (traceable)
-    dtensor_moe/moe/dispatch.py: torch.ops.aten._embedding_bag_per_sample_weights_backward --
-        the combine's score gradient: every (token, k) dot product in one pass, no temporaries
-        (the per-sample-weight gradient of embedding_bag, whose forward is the combine)
     dtensor_moe/optim/clip.py: torch._foreach_norm -- as torch.nn.utils.clip_grad_norm_ uses it
     dtensor_moe/optim/clip.py: torch._foreach_mul_ -- as torch.nn.utils.clip_grad_norm_ uses it
     dtensor_moe/optim/fused.py: torch._ops.OpOverload -- the type of the aten overloads
@@ -67,6 +63,7 @@ __all__ = [
     "in_backward_pass",
     "local_tensor",
     "local_tensors",
+    "functorch_active",
     "local_views",
     "replace_dtensor_storage",
     "schema_of",
@@ -260,6 +257,12 @@ def device_has_foreach_support(device: torch.device) -> bool:
     from torch.utils._foreach_utils import _device_has_foreach_support
 
     return _device_has_foreach_support(device)
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``, ...) is running:
+    ``torch._C._functorch.peek_interpreter_stack`` (torch 2.13) is not ``None``."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def in_backward_pass() -> bool:

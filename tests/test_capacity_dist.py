@@ -194,8 +194,8 @@ class CapacityParityTest(DistTestBase):
         self.assertExpectedInline(
             "\n".join(f"{k}: {v}" for k, v in counts.items()),
             """\
-pad_to_capacity=False: forward {'c10d.alltoall_base_': 3}, backward {'c10d.alltoall_base_': 2}
-pad_to_capacity=True: forward {'c10d_functional.all_to_all_single': 2}, backward {'c10d_functional.all_to_all_single': 2}""",  # noqa: E501
+pad_to_capacity=False: forward {'c10d.alltoall_base_': 4}, backward {'c10d.alltoall_base_': 3}
+pad_to_capacity=True: forward {'c10d.alltoall_base_': 3}, backward {'c10d.alltoall_base_': 3}""",  # noqa: E501
         )
 
     @with_comms
@@ -273,9 +273,9 @@ ep2tp2 padded train: graphs=2 breaks=1 recompiles=0""",
         self.assertExpectedInline(
             "\n".join(lines[: len(BREAK_RUNS)]),
             """\
-ep4 padded train: graphs=1 breaks=1 recompiles=0
-ep4 padded eval: graphs=1 breaks=0 recompiles=0
-sp2ep2 padded train: graphs=2 breaks=1 recompiles=0""",
+ep4 padded train: graphs=2 breaks=1 recompiles=0
+ep4 padded eval: graphs=2 breaks=1 recompiles=0
+sp2ep2 padded train: graphs=3 breaks=1 recompiles=0""",
         )
 
 

@@ -7,7 +7,10 @@ them; ``docs/benchmarks.md`` ("On one GPU") says what a run on an H200 gave. The
   top-8, group-limited sigmoid routing with a bias, a shared expert) against a float64
   reference written here with plain torch ops, in float32 and bfloat16: output, ``x.grad`` and
   every parameter gradient;
-- that the fused routed step gives the plain step's bits, and a second run the first run's bits;
+- that the default step gives the plain step's output bits, and a second run the first run's
+  bits;
+- expert parallelism (EP4) on CUDA tensors, 4 processes sharing the GPU over gloo, against one
+  process;
 - the options that reference does not model (capacity and dropping, recompute, scores before
   the experts, a gated shared expert, padding, router losses) against the same layer on the CPU,
   with the same routing and dropped pairs; and that the default path never syncs the host;
@@ -169,34 +172,22 @@ def _check_against_reference(moe: MoE, dtype: torch.dtype, label: str) -> None:
     assert errors[worst] < REL_TOL[dtype], f"{label} {dtype}: {errors}"
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA kernel's dtype gap")
-def test_torch_lacks_the_bf16_score_grad_kernel_on_cuda():
-    """Keeps the reason for Note [bf16 score grads off CPU] (``moe/dispatch.py``)."""
-    grad = torch.randn(4, 8, device=DEVICE, dtype=torch.bfloat16)
-    rows = torch.randn(6, 8, device=DEVICE, dtype=torch.bfloat16)
-    index = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1], device=DEVICE)
-    args = (index, torch.arange(0, 8, 2, device=DEVICE),
-            torch.arange(4, device=DEVICE).repeat_interleave(2), 0)
-    with pytest.raises(NotImplementedError, match="BFloat16"):
-        torch.ops.aten._embedding_bag_per_sample_weights_backward(grad, rows, *args)
-    fp32 = torch.ops.aten._embedding_bag_per_sample_weights_backward(grad.float(), rows.float(),
-                                                                     *args)
-    assert fp32.shape == (8,)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["qwen3", "deepseek"])
 def test_fused_step_bits_equal_plain_step_and_rerun(name, dtype):
-    """The fused routed step is a speed switch: same bits as the plain step, and as itself."""
+    """The default (staged) step gives the plain step's output bits and its own bits on a
+    rerun; its gradients round differently from the plain step's (the score gradient comes
+    from the down projection's input gradient), and both are checked against the float64
+    reference in test_layer_matches_float64_reference."""
     x = _x(dtype)
     fused = run_layer(make_moe(dtype, **CONFIGS[name]), x)
     again = run_layer(make_moe(dtype, **CONFIGS[name]), x)
     plain = run_layer(make_moe(dtype, **CONFIGS[name], fused_routed_step=False), x)
-    for other, what in ((again, "rerun"), (plain, "plain step")):
-        assert torch.equal(fused[0], other[0]), f"{what}: output"
-        assert torch.equal(fused[1], other[1]), f"{what}: x.grad"
-        for n, grad in fused[2].items():
-            assert torch.equal(grad, other[2][n]), f"{what}: {n}.grad"
+    assert torch.equal(fused[0], plain[0]), "plain step: output"
+    assert torch.equal(fused[0], again[0]), "rerun: output"
+    assert torch.equal(fused[1], again[1]), "rerun: x.grad"
+    for n, grad in fused[2].items():
+        assert torch.equal(grad, again[2][n]), f"rerun: {n}.grad"
 
 
 def test_made_on_the_device_in_bf16():
@@ -429,3 +420,71 @@ def test_inductor_matches_eager(name, dtype):
     errors = {"output": rel_err(compiled[0], eager[0]), "x.grad": rel_err(compiled[1], eager[1])}
     errors.update({n: rel_err(g, eager[2][n]) for n, g in compiled[2].items()})
     assert max(errors.values()) <= REL_TOL[dtype], errors
+
+
+def _ep_worker(rank: int, world: int, port: int, results) -> None:
+    """One rank of :func:`test_expert_parallel_on_the_device_matches_one_process`."""
+    from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        if DEVICE == "cuda":
+            torch.cuda.set_device(0)
+        torch.manual_seed(0)
+        cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=2, route_norm=True,
+                        num_shared_experts=1)
+        ref = MoE(cfg).to(DEVICE)
+        moe = copy.deepcopy(ref)
+        parallelize_moe(moe, build_moe_meshes(dp=world, ep=world, device_type=DEVICE),
+                        sequence_parallel=False)
+        gen = torch.Generator().manual_seed(1)
+        xs = torch.randn(world, 2, 16, 64, generator=gen).to(DEVICE)
+        gs = torch.randn(world, 2, 16, 64, generator=gen).to(DEVICE)
+        x = xs[rank].clone().requires_grad_()
+        moe(x).backward(gs[rank])
+        x_ref = xs.clone().requires_grad_()
+        ref(x_ref.view(world * 2, 16, 64)).backward(gs.view(world * 2, 16, 64))
+        errors = {"x.grad": float((x.grad - x_ref.grad[rank]).abs().max())}
+        for (name, p), q in zip(moe.named_parameters(), ref.parameters()):
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+            if not name.startswith("experts."):  # replicated: each rank's share of the sum
+                dist.all_reduce(grad)
+            errors[name] = float((grad - q.grad).abs().max() / q.grad.abs().max())
+        results.put((rank, errors))
+    except Exception:  # reported by the test, rather than a timeout of the others
+        import traceback
+
+        results.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_on_the_device_matches_one_process():
+    """EP4 on CUDA tensors: 4 processes share the GPU over gloo (NCCL refuses two ranks on one
+    device; gloo's all-to-all takes CUDA tensors): input and every parameter gradient against
+    the same layer in one process on the device."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_ep_worker, args=(r, 4, port, results)) for r in range(4)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        rank, errors = results.get(timeout=180)
+        assert not isinstance(errors, str), f"rank {rank}:\n{errors}"
+        got[rank] = errors
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0, p.exitcode
+    for rank, errors in sorted(got.items()):
+        for name, err in errors.items():
+            assert err < 1e-5, (rank, name, err)

@@ -204,8 +204,9 @@ def test_caller_settings(model_type):
         (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
         grads.append((y.detach(), x.grad, moe.router.gate.weight.grad, moe.experts.w2.grad))
         x.grad = None
-    for a, b in zip(*grads):  # a speed switch: the same bits
-        assert torch.equal(a, b)
+    assert torch.equal(grads[0][0], grads[1][0])  # the same output bits
+    for a, b in zip(grads[0][1:], grads[1][1:]):  # gradients: the same up to float rounding
+        close(a, b, "fused_routed_step=False against the default")
     assert hf.moe_from_hf(block, aux_loss_coeff=0.01).config.aux_loss_coeff == 0.01
 
     fresh = hf_model(model_type)

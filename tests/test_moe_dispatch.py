@@ -1,4 +1,5 @@
-"""Dispatcher (round trip, grouping, padding, metadata, no state) and grouped expert paths.
+"""Dispatcher (round trip, grouping, padding, the Routed record, no state) and grouped expert
+paths.
 
 Shape legend: T tokens, D dim, E experts, K top_k, R routed rows, H hidden.
 """
@@ -14,11 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from dtensor_moe.moe import (
-    DispatchMetadata,
+    GroupedExperts,
     MoE,
     MoEConfig,
+    Routed,
     TokenDispatcher,
     grouped_swiglu,
+    permute_tokens,
+    scores_in_rows,
     sort_by_expert,
 )
 from dtensor_moe.moe.dispatch import unpermute_and_reduce
@@ -41,13 +45,19 @@ def routing(T: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, 
 @pytest.mark.parametrize("pad_multiple", [1, 3, 8])
 @pytest.mark.parametrize("K", [1, 2, E])
 def test_round_trip(pad_multiple, K):
-    """Identity experts and scores of 1/K: combine(dispatch(x)) == x."""
+    """Identity experts that apply scores of 1/K: combine(dispatch(x)) == x.
+
+    The combine sums each token's K rows unweighted (the experts apply the scores), so the
+    rows as dispatched come back as K * x, and scaled by their scores as x."""
     x_TD = torch.randn(13, D)
     _, ids_TK, counts_E = routing(13, K)
     scores_TK = torch.full((13, K), 1.0 / K)
     dispatcher = TokenDispatcher(num_experts=E, pad_multiple=pad_multiple)
-    routed_RD, counts_e, meta = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
-    torch.testing.assert_close(dispatcher.combine(routed_RD, meta), x_TD)
+    routed = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    routed_RD, counts_e = permute_tokens(routed.source, routed.layout), routed.layout.counts_e
+    scored_RD = routed_RD * scores_in_rows(routed.scores, routed.layout).unsqueeze(-1)
+    torch.testing.assert_close(dispatcher.combine(scored_RD, routed), x_TD)
+    torch.testing.assert_close(dispatcher.combine(routed_RD, routed), K * x_TD)
     assert int(counts_e.sum()) == routed_RD.shape[0]
     assert all(c % pad_multiple == 0 for c in counts_e.tolist())
 
@@ -57,7 +67,8 @@ def test_rows_grouped_by_expert_in_token_order(pad_multiple):
     x_TD = torch.arange(11, dtype=torch.float32).unsqueeze(-1).expand(11, D).contiguous()
     scores_TK, ids_TK, counts_E = routing(11, 2)
     dispatcher = TokenDispatcher(num_experts=E, pad_multiple=pad_multiple)
-    routed_RD, counts_e, _ = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    routed = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    routed_RD, counts_e = permute_tokens(routed.source, routed.layout), routed.layout.counts_e
     start = 0
     for i, (rows, real) in enumerate(zip(counts_e.tolist(), counts_E.tolist())):
         tokens = [t for t in range(11) if i in ids_TK[t].tolist()]
@@ -75,10 +86,11 @@ def test_padding_never_reaches_output_or_grads():
     padding = torch.ones(layout.num_rows, dtype=torch.bool)
     padding[layout.row_TK.flatten()] = False
     dispatcher = TokenDispatcher(num_experts=E, pad_multiple=8)
-    routed_RD, _, meta = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    routed = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    routed_RD = permute_tokens(routed.source, routed.layout)
     out_RD = (routed_RD * 2).detach().requires_grad_()
     poisoned = out_RD.masked_fill(padding.unsqueeze(-1), float("nan"))
-    y_TD = dispatcher.combine(poisoned, meta)
+    y_TD = dispatcher.combine(poisoned, routed)
     assert torch.isfinite(y_TD).all()
     y_TD.sum().backward()
     assert (out_RD.grad[padding] == 0).all()
@@ -90,38 +102,60 @@ def test_padding_never_reaches_output_or_grads():
 def test_dispatch_backward_sums_token_copies():
     x_TD = torch.randn(6, D, requires_grad=True)
     scores_TK, ids_TK, counts_E = routing(6, 3)
-    routed_RD, _, meta = TokenDispatcher(num_experts=E, pad_multiple=5).dispatch(
+    routed = TokenDispatcher(num_experts=E, pad_multiple=5).dispatch(
         x_TD, scores_TK, ids_TK, counts_E
     )
+    routed_RD = permute_tokens(routed.source, routed.layout)
     grad_RD = torch.randn_like(routed_RD)
     routed_RD.backward(grad_RD)
-    expected = grad_RD[meta.row_TK].sum(dim=1)
+    expected = grad_RD[routed.row_TK].sum(dim=1)
     assert torch.equal(x_TD.grad, expected)
 
 
 @pytest.mark.parametrize("pad_multiple", [1, 4])
 def test_score_before_experts_scales_rows(pad_multiple):
+    """``score_before_experts``: ``GroupedExperts.compute`` scales each row by its score before
+    the experts (not their outputs after), and the combine does not apply the scores again."""
     x_TD = torch.randn(7, D)
     scores_TK, ids_TK, counts_E = routing(7, 2)
     dispatcher = TokenDispatcher(
         num_experts=E, pad_multiple=pad_multiple, score_before_experts=True
     )
-    routed_RD, _, meta = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
-    assert meta.scores_TK is None
-    torch.testing.assert_close(routed_RD[meta.row_TK], x_TD.unsqueeze(1) * scores_TK.unsqueeze(-1))
+    experts = GroupedExperts(
+        dim=D, hidden_dim=H, num_experts=E, dispatcher=dispatcher, init_std=0.3
+    )
+    routed = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    with torch.no_grad():
+        out_RD = experts.compute(routed.source, routed.scores, routed.layout)
+        y_TD = dispatcher.combine(out_RD, routed)
+        w1, w2, w3 = experts.local_weights()
+        scaled_TKD = x_TD.unsqueeze(1) * scores_TK.unsqueeze(-1)
+        want_TKD = torch.stack(
+            [
+                torch.stack(
+                    [
+                        (F.silu(v @ w1[e].T) * (v @ w3[e].T)) @ w2[e].T
+                        for v, e in zip(scaled_TKD[t], ids_TK[t].tolist())
+                    ]
+                )
+                for t in range(7)
+            ]
+        )
+    torch.testing.assert_close(out_RD[routed.row_TK], want_TKD)
+    torch.testing.assert_close(y_TD, want_TKD.sum(1))
 
 
-def test_metadata_is_frozen_kw_only_slots():
+def test_routed_is_frozen_kw_only_slots():
     scores_TK, ids_TK, counts_E = routing(3, 2)
-    _, _, meta = TokenDispatcher(num_experts=E).dispatch(
+    routed = TokenDispatcher(num_experts=E).dispatch(
         torch.randn(3, D), scores_TK, ids_TK, counts_E
     )
-    assert isinstance(meta, DispatchMetadata)
+    assert isinstance(routed, Routed)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        meta.scores_TK = None
-    assert not hasattr(meta, "__dict__")
+        routed.scores = None
+    assert not hasattr(routed, "__dict__")
     with pytest.raises(TypeError):
-        DispatchMetadata(meta.row_TK, meta.scores_TK)
+        Routed(routed.source, routed.scores, routed.layout, routed.row_TK, routed.order_N)
 
 
 def test_forward_leaves_no_state_on_modules():
@@ -245,25 +279,13 @@ def test_combine_result_is_not_a_view(K, weighted):
 
 @pytest.mark.parametrize("T,K", [(13, 1), (13, 3), (0, 2)])
 def test_combine_helpers_match_explicit_sums(T, K):
-    """The one-pass combine helpers (embedding_bag sums and its per-sample-weight gradient)
-    against explicit float64 sums and dot products, with ``row_TK`` given as a transposed view
-    (the expert-parallel step's layout) and with rows that repeat (a void row)."""
-    from dtensor_moe.moe.dispatch import combine_score_grads, sum_rows, weighted_row_sum
+    """The one-pass combine helper (embedding_bag sums) against explicit float64 sums, with
+    ``row_TK`` given as a transposed view and with rows that repeat (a void row)."""
+    from dtensor_moe.moe.dispatch import sum_rows
 
     g = torch.Generator().manual_seed(T + K)
     R = 2 * T + 1
     out_RD = torch.randn(R, D, generator=g)
     row_TK = torch.randint(0, R, (K, T), generator=g).t()  # a transposed view
-    s_TK = torch.rand(T, K, generator=g)
-    grad_TD = torch.randn(T, D, generator=g)
     rows_TKD = out_RD.double()[row_TK]
-    torch.testing.assert_close(
-        weighted_row_sum(out_RD, row_TK, s_TK),
-        (rows_TKD * s_TK.double().unsqueeze(-1)).sum(1).float(),
-    )
     torch.testing.assert_close(sum_rows(out_RD, row_TK), rows_TKD.sum(1).float())
-    torch.testing.assert_close(
-        combine_score_grads(grad_TD, out_RD, row_TK),
-        (rows_TKD * grad_TD.double().unsqueeze(1)).sum(-1).float(),
-    )
-    assert combine_score_grads(grad_TD, out_RD, row_TK).shape == (T, K)

@@ -222,45 +222,6 @@ def test_bf16_close_to_fp32():
         )
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_bf16_score_grads_in_float32_branch(monkeypatch, fused):
-    """Note [bf16 score grads off CPU], on the CPU: with the score-gradient kernel made to refuse
-    bf16, as torch's CUDA kernel does, the GPU branch (taken here by forcing the device test)
-    still runs, and gives the bits the CPU's own bf16 kernel gives; without it, the backward
-    fails as it did on the GPU."""
-    from dtensor_moe.moe import dispatch
-
-    moe = make_moe(num_shared_experts=1, fused_routed_step=fused).to(torch.bfloat16)
-    x = torch.randn(3, 16, D).to(torch.bfloat16)
-
-    def grads():
-        m, xi = copy.deepcopy(moe), x.clone().requires_grad_()
-        m(xi).float().square().sum().backward()
-        return {"x": xi.grad, **{n: p.grad for n, p in m.named_parameters()}}
-
-    expected = grads()  # the CPU kernel, in bf16
-    kernel = torch.ops.aten._embedding_bag_per_sample_weights_backward
-
-    def cuda_like(grad, *args):
-        if grad.dtype == torch.bfloat16:
-            raise NotImplementedError("not implemented for 'BFloat16' (as on CUDA)")
-        return kernel(grad, *args)
-
-    monkeypatch.setattr(torch.ops.aten, "_embedding_bag_per_sample_weights_backward", cuda_like)
-    for upcast in (True, False):
-        seen = []
-        monkeypatch.setattr(dispatch, "_upcast_score_grads",
-                            lambda out, seen=seen, upcast=upcast: seen.append(out.dtype) or upcast)
-        if upcast:
-            got = grads()
-            for name, grad in expected.items():
-                assert torch.equal(got[name], grad), name
-        else:
-            with pytest.raises(NotImplementedError, match="BFloat16"):
-                grads()
-        assert seen == [torch.bfloat16]  # one score-gradient call per backward
-
-
 def test_sum_backward_through_grouped_mm_path():
     """y.sum() gives an expanded grad, which torch's grouped_mm backward rejects on CPU."""
     moe = make_moe(compute_path="grouped_mm")
@@ -293,11 +254,12 @@ def _second_order(moe: MoE, fn, x: torch.Tensor, squared: bool) -> torch.Tensor:
     ],
     ids=["grouped_mm", "shared_sigmoid", "loop", "padded", "score_before"],
 )
-def test_double_backward_matches_reference(overrides, squared):
-    """Note [Double backward] in dtensor_moe/moe/dispatch.py: with ``fused_routed_step=False``
-    a gradient penalty's gradients (input and every parameter) equal the per-token reference's,
-    which is plain autograd."""
-    moe = make_moe(fused_routed_step=False, **overrides)
+@pytest.mark.parametrize("fused", [True, False], ids=["default", "plain"])
+def test_double_backward_matches_reference(overrides, squared, fused):
+    """Note [Double backward] in dtensor_moe/moe/dispatch.py: on the default path and with
+    ``fused_routed_step=False``, a gradient penalty's gradients (input and every parameter)
+    equal the per-token reference's, which is plain autograd."""
+    moe = make_moe(fused_routed_step=fused, **overrides)
     ref = copy.deepcopy(moe)
     x = torch.randn(2, 7, D)
     x_moe, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -310,11 +272,12 @@ def test_double_backward_matches_reference(overrides, squared):
         close(p.grad, p_ref.grad, msg=name)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["default", "plain"])
 @pytest.mark.parametrize("overrides", [dict(), dict(pad_multiple=4, num_shared_experts=1)])
-def test_hessian_vector_products_match_reference(overrides):
+def test_hessian_vector_products_match_reference(overrides, fused):
     """``torch.autograd.functional.hvp`` (which differentiates the backward once more) and
-    ``vhp`` of the loss with respect to the input, plain path, against the reference."""
-    moe = make_moe(fused_routed_step=False, **overrides)
+    ``vhp`` of the loss with respect to the input, against the reference."""
+    moe = make_moe(fused_routed_step=fused, **overrides)
     ref = copy.deepcopy(moe)
     x = torch.randn(2, 7, D)
     v = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(4))
@@ -324,16 +287,23 @@ def test_hessian_vector_products_match_reference(overrides):
         close(hv, hv_ref, product.__name__)
 
 
-@pytest.mark.parametrize("squared", [False, True])
-def test_fused_step_refuses_double_backward(squared):
-    """The fused routed step's hand-written backward cannot build a graph: it raises rather
-    than drop the second-order terms of its weights (which ``once_differentiable`` would do,
-    silently, when the upstream gradient does not require grad)."""
-    moe = make_moe()
-    x = torch.randn(2, 7, D, requires_grad=True)
-    with pytest.raises(RuntimeError, match=r"fused routed step cannot be differentiated twice.*"
-                       r"fused_routed_step=False"):
-        _second_order(moe, lambda m, x: m(x), x, squared)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_second_backward_with_retain_graph(recompute):
+    """The default path's rows are gathered again in each backward (Note [The routed SwiGLU in
+    two steps]): a second backward through the same graph gives the reference's gradients
+    again (accumulated twice)."""
+    moe = make_moe(recompute_experts=recompute)
+    ref = copy.deepcopy(moe)
+    x = torch.randn(2, 7, D)
+    grads = []
+    for m, fn in ((moe, lambda m, x: m(x)), (ref, lambda m, x: reference_moe(m, x)[0])):
+        xi = x.clone().requires_grad_()
+        y = fn(m, xi)
+        y.pow(2).sum().backward(retain_graph=True)
+        y.sum().backward()
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+    for a, b in zip(*grads, strict=True):
+        close(a, b, "second backward")
 
 
 def test_same_bits_run_to_run():
@@ -513,3 +483,56 @@ def test_update_expert_bias_from_optimizer_hook():
     expected = (expected - expected.mean()) * 0.01
     torch.testing.assert_close(bias, expected.float())
     assert "router.expert_bias" in moe.state_dict()
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(num_shared_experts=1, pad_multiple=4)])
+def test_torch_func_grad_and_vjp_match_reference(overrides):
+    """``torch.func.grad`` and ``torch.func.vjp`` through the layer (functional_call over its
+    parameters): the experts take the plain path under the transform; input and parameter
+    gradients against the per-token reference. In eval mode: a training forward adds to the
+    router's counters in place, which a transform refuses for a captured buffer."""
+    from torch.func import functional_call, grad, vjp
+
+    moe = make_moe(**overrides).eval()
+    ref = copy.deepcopy(moe)
+    x = torch.randn(2, 7, D)
+    params = {n: p.detach() for n, p in moe.named_parameters()}
+
+    def loss(params, x):
+        return functional_call(moe, params, (x,)).pow(2).sum()
+
+    grads = grad(loss, argnums=(0, 1))(params, x)
+    x_ref = x.clone().requires_grad_()
+    reference_moe(ref, x_ref)[0].pow(2).sum().backward()
+    close(grads[1], x_ref.grad, "x grad")
+    for name, p in ref.named_parameters():
+        close(grads[0][name], p.grad, msg=name)
+    y, pullback = vjp(lambda x: moe(x), x)
+    (gx,) = pullback(torch.ones_like(y))
+    x_ref.grad = None
+    reference_moe(ref, x_ref)[0].sum().backward()
+    close(gx, x_ref.grad, "vjp")
+
+
+def test_other_work_between_dispatch_and_combine():
+    """The stages exchange frozen values, so a caller can run other work between them: the
+    shared experts between dispatch and compute give the layer's own output and gradients."""
+    moe = make_moe(num_shared_experts=1)
+    x = torch.randn(2, 7, D)
+    x_layer, x_staged = x.clone().requires_grad_(), x.clone().requires_grad_()
+    moe(x_layer).pow(2).sum().backward()
+    expected = [x_layer.grad] + [p.grad.clone() for p in moe.parameters()]
+    moe.zero_grad()
+    x_TD = x_staged.view(-1, D)
+    routing = moe.router(x_TD, num_sequences=2, count=False)
+    experts, dispatcher = moe.experts, moe.experts.dispatcher
+    routed = dispatcher.dispatch(x_TD, routing.topk_scores_TK, routing.topk_ids_TK,
+                                 routing.counts_E)
+    shared_TD = moe.shared_experts(x_TD)  # other work, between dispatch and the experts
+    assert dispatcher.receive(routed) is None  # one process: nothing in flight
+    out_RD = experts.compute(routed.source, routed.scores, routed.layout)
+    y = (dispatcher.combine(out_RD, routed) + shared_TD).view(2, 7, D)
+    y.pow(2).sum().backward()
+    got = [x_staged.grad] + [p.grad for p in moe.parameters()]
+    for a, b in zip(got, expected, strict=True):
+        close(a, b, "staged by hand")

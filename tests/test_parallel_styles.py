@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -29,7 +31,8 @@ from dtensor_moe import (
     build_moe_meshes,
     parallelize_moe,
 )
-from dtensor_moe.moe import TokenDispatcher
+import dtensor_moe.parallel.dispatch as dispatch_module
+from dtensor_moe.moe import TokenDispatcher, permute_tokens
 from dtensor_moe.parallel import AllToAllTokenDispatcher
 from tests._dist import DistTestBase
 from tests.test_moe_layer import reference_moe
@@ -105,22 +108,24 @@ class ParallelStylesTest(DistTestBase):
         self.assertExpectedInline(
             "\n".join(lines),
             """\
-ep2: forward alltoall_base_=3 | backward alltoall_base_=2
-ep4: forward alltoall_base_=3 | backward alltoall_base_=2
-etp2: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2
+ep2: forward alltoall_base_=4 | backward alltoall_base_=3
+ep4: forward alltoall_base_=4 | backward alltoall_base_=3
+etp2: forward all_reduce=1 alltoall_base_=4 | backward alltoall_base_=3
 etp2_gather: forward all_reduce=1 | backward all_reduce=1
-ep2tp2: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2
-ep2tp2_gather: forward all_gather_into_tensor=1 alltoall_base_=3 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 alltoall_base_=2 reduce_scatter_tensor=1
-sp2ep2: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2
-tp2ep2: forward all_gather_into_tensor=1 all_reduce=1 alltoall_base_=3 | backward all_gather_into_tensor=1 alltoall_base_=2
-sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
+ep2tp2: forward all_reduce=1 alltoall_base_=4 | backward alltoall_base_=3
+ep2tp2_gather: forward all_gather_into_tensor=1 alltoall_base_=4 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 alltoall_base_=3 reduce_scatter_tensor=1
+sp2ep2: forward all_reduce=1 alltoall_base_=4 | backward alltoall_base_=3
+tp2ep2: forward all_gather_into_tensor=1 all_reduce=1 alltoall_base_=4 | backward all_gather_into_tensor=1 alltoall_base_=3
+sp2ep4: forward all_reduce=1 alltoall_base_=4 | backward alltoall_base_=3""",
         )
 
     @with_comms
     def test_overlap_switch_picks_the_path(self):
         """``overlap`` (ExpertParallel / ExpertTensorParallel / parallelize_moe's ep_overlap)
-        is the one switch between the one-node step and the plain path; both give the same
-        output (the parity matrix of test_parallel_moe.py runs both)."""
+        is the one switch between computing the own rows during the output exchange (Note [Own
+        rows]) and sending every row; both give the same output (the parity matrix of
+        test_parallel_moe.py runs both). The send sizes show which: with overlap, a rank sends
+        none of its rows to itself."""
         outputs, nodes = {}, {}
         for overlap in (True, False):
             model, meshes, layout = _build("ep2tp2", COUNT_CASE, overlap=overlap)
@@ -128,14 +133,16 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
             self.assertIn(f"overlap={overlap}", repr(model.experts.dispatcher))
             torch.manual_seed(1 + self.rank // meshes.tp)
             x = _input(meshes, layout, torch.randn(COUNT_CASE.B, COUNT_CASE.L, D))
-            y = model(x)
-            names, stack = set(), [y.grad_fn]
-            while stack:
-                fn = stack.pop()
-                if fn is not None and type(fn).__name__ not in names:
-                    names.add(type(fn).__name__)
-                    stack.extend(f for f, _ in fn.next_functions)
-            nodes[overlap] = "_ExpertParallelStepBackward" in names
+            seen = []
+            real = dispatch_module.Exchange
+
+            def recording(group, send, recv, *args, real=real, seen=seen, **kwargs):
+                seen.append(send[dist.get_rank(group)])
+                return real(group, send, recv, *args, **kwargs)
+
+            with mock.patch.object(dispatch_module, "Exchange", recording):
+                y = model(x)
+            nodes[overlap] = all(n == 0 for n in seen)
             outputs[overlap] = y.to_local().detach()
         self.assertEqual(nodes, {True: True, False: False})
         torch.testing.assert_close(outputs[False], outputs[True], rtol=1e-5, atol=1e-6)
@@ -146,41 +153,42 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
                 ExpertTensorParallel(overlap=bad)
 
     @with_comms
-    def test_fast_path_is_one_node_and_runs_under_no_grad(self):
-        """The default EP config takes the one-node path (Note [Overlapped all-to-all]); under
-        ``no_grad`` it gives the same output, and a double backward fails loudly."""
+    def test_exchanges_are_autograd_pairs_and_run_under_no_grad(self):
+        """The default EP path's exchanges are start/wait autograd pairs (Note [Exchanges as
+        autograd pairs]); under ``no_grad`` it gives the same output; an expanded upstream
+        gradient (zero strides, from ``.sum()``) is accepted (Note [grouped_mm expanded grad])."""
         model, meshes, layout = _build("ep4", COUNT_CASE)
         torch.manual_seed(1 + self.rank)
         x = _input(meshes, layout, torch.randn(COUNT_CASE.B, COUNT_CASE.L, D))
         y = model(x)
-        names, stack = set(), [y.grad_fn]
+        names, seen, stack = set(), set(), [y.grad_fn]
         while stack:
             fn = stack.pop()
-            if fn is not None and type(fn).__name__ not in names:
+            if fn is not None and fn not in seen:
+                seen.add(fn)
                 names.add(type(fn).__name__)
                 stack.extend(f for f, _ in fn.next_functions)
-        self.assertIn("_ExpertParallelStepBackward", names)
+        for node in ("_ScatterStart", "_ScatterWait", "_GatherStart", "_GatherWait"):
+            self.assertIn(f"{node}Backward", names)
         with torch.no_grad():
             y_inference = model(x)
         self.assertEqual(y_inference, y.detach(), atol=0, rtol=0)
-        with self.assertRaisesRegex(
-            RuntimeError, r"cannot be differentiated twice .* ExpertParallel\(overlap=False\)"
-        ):
-            torch.autograd.grad(_local_loss(y), x, create_graph=True)
-        # An expanded upstream gradient (zero strides, from .sum()) is accepted (Note
-        # [grouped_mm expanded grad] in dtensor_moe/moe/experts.py).
         (grad_sum,) = torch.autograd.grad(model(x).sum(), x)
         (grad_ones,) = torch.autograd.grad(model(x), x, torch.ones(x.shape))
         self.assertEqual(grad_sum, grad_ones, atol=0, rtol=0)
 
     @with_comms
-    def test_double_backward_through_the_plain_exchange(self):
-        """Note [Double backward] in dtensor_moe/moe/dispatch.py: under EP4 with the plain
-        exchange (overlap=False), a gradient penalty's gradients equal those of the per-token
-        reference (plain autograd, not the layer): the first-order input gradient, the input's
-        and every parameter's gradient."""
-        config = dict(aux_loss_coeff=0.0, use_expert_bias=False, fused_routed_step=False)
-        model, meshes, _ = _build("ep4", COUNT_CASE, overlap=False, **config)
+    def test_double_backward_through_the_exchanges(self):
+        """Note [Double backward] in dtensor_moe/moe/dispatch.py: under EP4, on the default
+        path and with the plain one (overlap=False, fused_routed_step=False), a gradient
+        penalty's gradients equal those of the per-token reference (plain autograd, not the
+        layer): the first-order input gradient, the input's and every parameter's gradient."""
+        for overlap in (True, False):
+            self._double_backward_ep4(overlap)
+
+    def _double_backward_ep4(self, overlap):
+        config = dict(aux_loss_coeff=0.0, use_expert_bias=False, fused_routed_step=overlap)
+        model, meshes, _ = _build("ep4", COUNT_CASE, overlap=overlap, **config)
         torch.manual_seed(0)
         ref = MoE(make_config(COUNT_CASE, **config))
         B, L = COUNT_CASE.B, COUNT_CASE.L
@@ -405,16 +413,15 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
         x_TD = torch.randn(3, D)
         ids_TK = torch.tensor([[0, 1], [2, 3], [4, 5]])
         counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
-        routed_RD, _, plain_meta = TokenDispatcher(num_experts=E).dispatch(
-            x_TD, torch.ones(3, 2), ids_TK, counts_E
-        )
+        plain = TokenDispatcher(num_experts=E).dispatch(x_TD, torch.ones(3, 2), ids_TK, counts_E)
+        routed_RD = permute_tokens(x_TD, plain.layout)
         ep_dispatcher = AllToAllTokenDispatcher(num_experts=E, mesh=meshes.expert["ep"])
         with CommDebugMode() as comm, self.assertRaisesRegex(
             TypeError,
-            r"AllToAllTokenDispatcher.combine needs the AllToAllMetadata that this dispatcher's "
-            r"dispatch returned, got DispatchMetadata; pass the metadata of the matching",
+            r"AllToAllTokenDispatcher.combine needs the Routed that this dispatcher's dispatch "
+            r"returned \(it carries the exchange\), got one without an exchange",
         ):
-            ep_dispatcher.combine(routed_RD, plain_meta)
+            ep_dispatcher.combine(routed_RD, plain)
         self.assertEqual(comm.get_total_counts(), 0, "combine: a collective ran")
 
     @with_comms

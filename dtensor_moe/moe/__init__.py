@@ -11,8 +11,9 @@ from dtensor_moe.moe.balance import (
 )
 from dtensor_moe.moe.config import MoEConfig
 from dtensor_moe.moe.dispatch import (
-    DispatchMetadata,
     ExpertLayout,
+    Received,
+    Routed,
     TokenDispatcher,
     permute_tokens,
     scores_in_rows,
@@ -39,7 +40,8 @@ from dtensor_moe.moe.stats import LayerLoad, load_stats
 __all__ = [
     "AuxLossBackward",
     "AuxLosses",
-    "DispatchMetadata",
+    "Received",
+    "Routed",
     "ExpertLayout",
     "GroupedExperts",
     "LayerLoad",

@@ -47,13 +47,16 @@ import torch.nn.functional as F
 from dtensor_moe.moe.capacity import Capacity
 
 __all__ = [
-    "DispatchMetadata",
     "ExpertLayout",
+    "Received",
+    "Routed",
     "TokenDispatcher",
     "permute_tokens",
     "scores_in_rows",
     "sort_by_expert",
+    "subset_layout",
     "unpermute_and_reduce",
+    "unpermute_rows",
 ]
 
 
@@ -72,6 +75,9 @@ class ExpertLayout:
         void_row: some pairs may be dropped for capacity (Note [Expert capacity] in
             ``capacity.py``): their ``row_N``/``row_TK`` is ``R``, one past the buffer, a row
             that reads as zeros and takes no gradient (Note [The void row]).
+        bag_offsets: set when the layout holds only some of each token's pairs (a
+            :func:`subset_layout`): then ``row_TK`` is 1-D, the rows of the pairs it holds in
+            token order, and token ``t``'s rows start at ``bag_offsets[t]``.
     """
 
     token_N: torch.Tensor
@@ -81,27 +87,7 @@ class ExpertLayout:
     counts_e: torch.Tensor
     num_rows: int
     void_row: bool = False
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DispatchMetadata:
-    """Everything :meth:`TokenDispatcher.combine` needs; returned by ``dispatch``.
-
-    Attributes:
-        row_TK: routed-buffer row holding the expert output for pair ``(t, k)``.
-        scores_TK: combine weights, or ``None`` when the scores were applied before the
-            experts (``score_before_experts``).
-        void_row: dropped pairs point at row ``R`` of the expert output, read as zeros (Note
-            [The void row]).
-        order_N: the pair of each routed row (``ExpertLayout.order_N``) when the rows are a
-            permutation of the pairs (no padding, no drop), else ``None``; the combine's
-            backward is then one gather.
-    """
-
-    row_TK: torch.Tensor
-    scores_TK: torch.Tensor | None
-    void_row: bool = False
-    order_N: torch.Tensor | None = None
+    bag_offsets: torch.Tensor | None = None
 
 
 def _padding_shift(counts_E: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, list[int]]:
@@ -214,29 +200,76 @@ class _PermuteTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
         x_TD: torch.Tensor,
         token_N: torch.Tensor,
         row_N: torch.Tensor | None,
         num_rows: int,
         row_TK: torch.Tensor,
         void_row: bool,
+        bag_offsets: torch.Tensor | None,
     ) -> torch.Tensor:
         rows_ND = x_TD.index_select(0, token_N)
-        if row_N is not None:
-            # dropped pairs all land on the void row, which is cut off (Note [The void row])
-            buffer = x_TD.new_zeros(num_rows + int(void_row), x_TD.shape[-1])
-            rows_ND = buffer.index_copy_(0, row_N, rows_ND)[:num_rows]
-        ctx.save_for_backward(row_TK)
-        ctx.void_row = void_row
-        return rows_ND
+        if row_N is None:
+            return rows_ND
+        # dropped pairs all land on the void row, which is cut off (Note [The void row])
+        buffer = x_TD.new_zeros(num_rows + int(void_row), x_TD.shape[-1])
+        return buffer.index_copy_(0, row_N, rows_ND)[:num_rows]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        x_TD, _, _, _, row_TK, void_row, bag_offsets = inputs
+        ctx.save_for_backward(row_TK, bag_offsets)
+        ctx.void_row, ctx.num_tokens = void_row, x_TD.shape[0]
 
     @staticmethod
     def backward(ctx: Any, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (row_TK,) = ctx.saved_tensors
+        row_TK, bag_offsets = ctx.saved_tensors
         if ctx.void_row:
             grad_RD = _with_void_row(grad_RD)
-        return sum_rows(grad_RD, row_TK), None, None, None, None, None
+        if bag_offsets is not None:  # some of each token's pairs (a subset_layout)
+            return _sum_bags(grad_RD, row_TK, bag_offsets, ctx.num_tokens), *(None,) * 6
+        return sum_rows(grad_RD, row_TK), *(None,) * 6
+
+
+def _sum_bags(
+    src_RD: torch.Tensor, rows: torch.Tensor, offsets_T: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """``y_TD[t] = sum of src_RD[rows[offsets_T[t]:offsets_T[t + 1]]]``, in order (empty: 0).
+    Differentiable when a graph is being built (Note [Double backward])."""
+    if torch.is_grad_enabled() and src_RD.requires_grad:
+        lengths = torch.diff(offsets_T, append=offsets_T.new_tensor([rows.numel()]))
+        token = torch.repeat_interleave(torch.arange(num_tokens, device=rows.device), lengths)
+        return src_RD.new_zeros(num_tokens, src_RD.shape[-1]).index_add(0, token, src_RD[rows])
+    return F.embedding_bag(rows, src_RD, offsets_T, mode="sum")
+
+
+def subset_layout(
+    token_N: torch.Tensor,
+    order_N: torch.Tensor,
+    position_TK: torch.Tensor,
+    start: int,
+    stop: int,
+    counts_e: torch.Tensor,
+) -> ExpertLayout:
+    """The layout of sorted pairs ``[start, stop)`` as their own buffer, no padding.
+
+    ``token_N``/``order_N``: every pair's token and flat index in sorted order;
+    ``position_TK``: each pair's place in that order. The gather's backward sums each token's
+    rows in ``k`` order (``bag_offsets``), so a token may have any number of its pairs here.
+    """
+    T = position_TK.shape[0]
+    held_TK = (position_TK >= start) & (position_TK < stop)
+    rows = position_TK[held_TK] - start  # in (t, k) order: grouped by token
+    lengths_T = held_TK.sum(1)
+    return ExpertLayout(
+        token_N=token_N[start:stop],
+        order_N=order_N[start:stop],
+        row_N=None,
+        row_TK=rows,
+        counts_e=counts_e,
+        num_rows=stop - start,
+        bag_offsets=(torch.cumsum(lengths_T, 0) - lengths_T).view(T),
+    )
 
 
 def permute_tokens(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
@@ -246,8 +279,9 @@ def permute_tokens(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     (see Note [Deterministic combine]); padding rows give no gradient.
     """
     return _PermuteTokens.apply(
-        x_TD, layout.token_N, layout.row_N, layout.num_rows, layout.row_TK, layout.void_row
-    )
+        x_TD, layout.token_N, layout.row_N, layout.num_rows, layout.row_TK, layout.void_row,
+        layout.bag_offsets,
+    )  # fmt: skip
 
 
 def scores_in_rows(scores_TK: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
@@ -284,11 +318,12 @@ class _UnpermuteRows(torch.autograd.Function):
         return grad_RD.index_copy_(0, index, grad_ND), None, None
 
 
-def weighted_row_sum(out_RD: torch.Tensor, row_TK: torch.Tensor, s_TK: torch.Tensor) -> torch.Tensor:
-    """``y_TD[t] = sum_k s_TK[t, k] * out_RD[row_TK[t, k]]``, added in ``k`` order in one pass
-    (Note [Deterministic combine]); ``s_TK`` in ``out_RD``'s dtype. ``row_TK`` may be a
-    transposed view."""
-    return F.embedding_bag(row_TK, out_RD, per_sample_weights=s_TK, mode="sum")
+def unpermute_rows(out_RD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """The rows of a one-pair-per-token ``layout`` (``K == 1``, as the received rows of an
+    exchange) back in token order: ``out_MD[m] = out_RD[layout.row_TK[m, 0]]``; the inverse of
+    :func:`permute_tokens` on that layout (padding rows dropped)."""
+    order = layout.order_N if layout.row_N is None else None
+    return _UnpermuteRows.apply(out_RD, layout.row_TK.reshape(-1), order)
 
 
 def sum_rows(src_RD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
@@ -300,99 +335,29 @@ def sum_rows(src_RD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
     return F.embedding_bag(row_TK, src_RD, mode="sum")
 
 
-def _upcast_score_grads(out_RD: torch.Tensor) -> bool:
-    """Whether :func:`combine_score_grads` computes in float32 (Note [bf16 score grads off
-    CPU]); a function so that a CPU test can take the device branch."""
-    return out_RD.dtype == torch.bfloat16 and out_RD.device.type != "cpu"
-
-
-def combine_score_grads(
-    grad_TD: torch.Tensor, out_RD: torch.Tensor, row_TK: torch.Tensor
-) -> torch.Tensor:
-    """The gradient of :func:`weighted_row_sum` with respect to ``s_TK``: the dot product of each
-    token's gradient with each of its rows, ``(T, K)``, in one pass with no temporaries (the
-    per-sample-weight gradient of ``embedding_bag``, whose forward is the combine). ``row_TK``
-    may be a transposed view. Differentiable when a graph is being built (Note [Double
-    backward])."""
-    if torch.is_grad_enabled() and (grad_TD.requires_grad or out_RD.requires_grad):
-        return (grad_TD.unsqueeze(1) * out_RD[row_TK]).sum(-1)
-    T, K = row_TK.shape
-    dev = row_TK.device
-    if _upcast_score_grads(out_RD):  # Note [bf16 score grads off CPU]
-        grad_TD, out_RD = grad_TD.float(), out_RD.float()
-    dots_N = torch.ops.aten._embedding_bag_per_sample_weights_backward(
-        grad_TD.contiguous(),
-        out_RD,
-        row_TK.reshape(-1),
-        torch.arange(0, T * K, K, device=dev),  # bag offsets
-        torch.arange(T, device=dev).repeat_interleave(K),  # bag of each index
-        0,  # mode "sum"
-    )
-    return dots_N.view(T, K)
-
-
-# Note [bf16 score grads off CPU]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# torch's CUDA kernel of ``_embedding_bag_per_sample_weights_backward`` is built for float32,
-# float64 and float16 only (torch 2.11 and 2.13): with bfloat16 it raises "not implemented for
-# 'BFloat16'", which made every bf16 backward of the layer fail on a GPU, the plain, loop and
-# expert-parallel paths included (found on an H200; the CPU kernel takes bfloat16). Off the CPU,
-# :func:`combine_score_grads` therefore upcasts its two bf16 inputs to float32 first. The kernel
-# accumulates in float32 either way, and the callers cast the dots to the scores' dtype (bf16 in
-# a bf16 layer) as before, so on the CPU the branch gives the bf16 kernel's bits exactly
-# (``tests/test_moe_layer.py`` takes it there and checks that). The cost is the float32 copies
-# of ``grad_TD`` and ``out_RD`` (``(T + R) * D * 4`` bytes, freed at once). ``tests/test_cuda.py``
-# keeps a test that the plain op still fails, so that this can go when torch gains the kernel,
-# and checks the layer in bf16 on the GPU against a float64 reference. Other accelerators take
-# the same path rather than be probed.
-
-
 def combine_row_grads(
     grad_TD: torch.Tensor,
-    s_TK: torch.Tensor,
+    s_TK: torch.Tensor | None,
     row_TK: torch.Tensor,
     num_rows: int,
     order_N: torch.Tensor | None,
 ) -> torch.Tensor:
     """The gradient of :func:`weighted_row_sum` with respect to ``out_RD``: row ``row_TK[t, k]``
-    gets ``s_TK[t, k] * grad_TD[t]``; rows no pair names get zero. With ``order_N`` (the rows are
+    gets ``s_TK[t, k] * grad_TD[t]`` (``s_TK=None``: ``grad_TD[t]``); rows no pair names get
+    zero. With ``order_N`` (the rows are
     a permutation of the pairs) one gather, no zero fill."""
     K = row_TK.shape[1]
     if order_N is not None:
         token_N = torch.div(order_N, K, rounding_mode="floor")
-        scores_N = s_TK.reshape(-1).index_select(0, order_N)
-        return grad_TD.index_select(0, token_N).mul_(scores_N.unsqueeze(-1))
+        rows_ND = grad_TD.index_select(0, token_N)
+        if s_TK is None:
+            return rows_ND
+        return rows_ND.mul_(s_TK.reshape(-1).index_select(0, order_N).unsqueeze(-1))
     grad_RD = grad_TD.new_zeros(num_rows, grad_TD.shape[-1])
     for k in range(K):
-        grad_RD.index_copy_(0, row_TK[:, k], grad_TD * s_TK[:, k : k + 1])
+        grad_k = grad_TD if s_TK is None else grad_TD * s_TK[:, k : k + 1]
+        grad_RD.index_copy_(0, row_TK[:, k], grad_k)
     return grad_RD
-
-
-class _WeightedCombine(torch.autograd.Function):
-    """:func:`weighted_row_sum` with its gradients (:func:`combine_row_grads`,
-    :func:`combine_score_grads`); saves ``out_RD`` and the scores."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        out_RD: torch.Tensor,
-        row_TK: torch.Tensor,
-        scores_TK: torch.Tensor,
-        order_N: torch.Tensor | None,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(out_RD, row_TK, scores_TK, order_N)
-        return weighted_row_sum(out_RD, row_TK, scores_TK.to(out_RD.dtype))
-
-    @staticmethod
-    def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out_RD, row_TK, scores_TK, order_N = ctx.saved_tensors
-        grad_out = grad_scores = None
-        if ctx.needs_input_grad[0]:
-            s_TK = scores_TK.to(out_RD.dtype)
-            grad_out = combine_row_grads(grad_TD, s_TK, row_TK, out_RD.shape[0], order_N)
-        if ctx.needs_input_grad[2]:
-            grad_scores = combine_score_grads(grad_TD, out_RD, row_TK).to(scores_TK.dtype)
-        return grad_out, None, grad_scores, None
 
 
 # Note [Double backward]
@@ -416,6 +381,26 @@ class _WeightedCombine(torch.autograd.Function):
 # ``once_differentiable`` does when the incoming gradient does not require grad).
 
 
+class _SumRows(torch.autograd.Function):
+    """``y_TD[t] = sum_k src_RD[row_TK[t, k]]`` in one pass (:func:`sum_rows`); backward gives
+    each named row its token's gradient (:func:`combine_row_grads`), other rows zero."""
+
+    @staticmethod
+    def forward(src_RD: torch.Tensor, row_TK: torch.Tensor, order_N: torch.Tensor | None):
+        return F.embedding_bag(row_TK, src_RD, mode="sum")
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        src_RD, row_TK, order_N = inputs
+        ctx.save_for_backward(row_TK, order_N)
+        ctx.num_rows = src_RD.shape[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        row_TK, order_N = ctx.saved_tensors
+        return combine_row_grads(grad_TD, None, row_TK, ctx.num_rows, order_N), None, None
+
+
 def unpermute_and_reduce(
     out_RD: torch.Tensor,
     row_TK: torch.Tensor,
@@ -424,27 +409,66 @@ def unpermute_and_reduce(
     order_N: torch.Tensor | None = None,
     void_row: bool = False,
 ) -> torch.Tensor:
-    """The shared combine tail: ``y_TD[t] = sum_k scores_TK[t, k] * out_RD[row_TK[t, k]]``.
+    """The combine: ``y_TD[t] = sum_k scores_TK[t, k] * out_RD[row_TK[t, k]]``.
 
-    With ``scores_TK=None`` the ``K`` rows are summed unweighted. Rows not named by ``row_TK``
-    (alignment padding) reach neither the output nor the gradients. ``order_N``: the inverse
-    of ``row_TK.reshape(-1)`` when that is a permutation of the rows of ``out_RD`` (no padding;
-    ``ExpertLayout.order_N``), which makes the backward a single gather. ``void_row``:
-    ``row_TK`` may name row ``R``, which reads as zeros (pairs dropped for capacity; Note
-    [The void row]).
+    With ``scores_TK=None`` (the layer's combine: the experts applied the scores) the ``K`` rows
+    are summed unweighted. Rows not named by ``row_TK`` (alignment padding) reach neither the
+    output nor the gradients. ``order_N``: the inverse of ``row_TK.reshape(-1)`` when that is a
+    permutation of the rows of ``out_RD`` (no padding; ``ExpertLayout.order_N``), which makes
+    the backward a single gather. ``void_row``: ``row_TK`` may name row ``R``, which reads as
+    zeros (pairs dropped for capacity; Note [The void row]).
 
-    The weighted sum runs in one autograd node, :class:`_WeightedCombine`, in one pass (no
-    ``(T * K, D)`` gather of the rows; Note [Deterministic combine]). The result is never a
-    view: FSDP2 warns about a wrapped module (the experts) that returns one, since an in-place
-    op on it would skip FSDP's pre-backward hook.
+    One autograd node, in one pass (no ``(T * K, D)`` gather of the rows; Note [Deterministic
+    combine]). The result is never a view: FSDP2 warns about a wrapped module (the experts) that
+    returns one, since an in-place op on it would skip FSDP's pre-backward hook.
     """
-    T, K = row_TK.shape
     if void_row:
         out_RD = _with_void_row(out_RD)
-    if scores_TK is not None:
-        return _WeightedCombine.apply(out_RD, row_TK, scores_TK, None if void_row else order_N)
-    out_TKD = _UnpermuteRows.apply(out_RD, row_TK.reshape(-1), order_N)
-    return out_TKD.view(T, K, out_RD.shape[-1]).sum(dim=1)
+        order_N = None
+    if scores_TK is not None:  # each named row scaled by its pair's score, then summed
+        R = out_RD.shape[0]
+        flat = scores_TK.reshape(-1).to(out_RD.dtype)
+        scores_R = out_RD.new_zeros(R).index_put((row_TK.reshape(-1),), flat)
+        out_RD = out_RD * scores_R.unsqueeze(-1)
+    return _SumRows.apply(out_RD, row_TK, order_N)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Routed:
+    """What :meth:`TokenDispatcher.dispatch` returns: the rows this rank computes itself, and
+    what :meth:`~TokenDispatcher.receive` and :meth:`~TokenDispatcher.combine` need.
+
+    Attributes:
+        source: ``x_TD``: the local rows are gathered from it.
+        scores: each pair's combine weight ``(T, X)`` in ``source``'s dtype (``X = K``, or
+            ``K * replicas`` under expert TP by all-to-all), or ``None``.
+        layout: the local rows (all of them without an exchange; this rank's own share under
+            expert parallelism), for :meth:`GroupedExperts.compute`.
+        row_TK: each pair's row among the rows combine sums (the local rows, or under expert
+            parallelism every pair's row in the send order).
+        order_N: the inverse of ``row_TK`` when it is a permutation, else ``None``.
+        void_row: ``row_TK`` may name one row past the end (Note [The void row]).
+        exchange: the state of a dispatcher's exchange (``None`` without one).
+    """
+
+    source: torch.Tensor
+    scores: torch.Tensor | None
+    layout: ExpertLayout
+    row_TK: torch.Tensor
+    order_N: torch.Tensor | None
+    void_row: bool = False
+    exchange: Any = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Received:
+    """The rows another rank sent here (:meth:`TokenDispatcher.receive`): ``rows`` ``(M, D)``
+    in arrival order, their ``scores`` ``(M,)`` and the ``layout`` grouping them by local
+    expert."""
+
+    rows: torch.Tensor
+    scores: torch.Tensor | None
+    layout: ExpertLayout
 
 
 class TokenDispatcher:
@@ -454,10 +478,18 @@ class TokenDispatcher:
         num_experts: ``E``, routed experts in the whole layer.
         pad_multiple: align each local expert's row group to this multiple (``1``: no padding).
         score_before_experts: scale routed rows by their score before the experts instead of
-            weighting expert outputs in combine.
+            their outputs after.
 
-    No collective runs in forward or backward. See Note [Dispatcher steps] for where a
-    subclass adds communication, and keep all per-forward state in the returned metadata.
+    The stages, each called once per forward, in this order (``GroupedExperts.forward``)::
+
+        routed = dispatch(x_TD, scores, ids, counts)     # sort; start any exchange
+        received = receive(routed)                       # wait for it (None: no exchange)
+        returning = send_back(out_of_received, routed)   # start the way back (None: none)
+        y_TD = combine(out_of_local_rows, routed, returning)
+
+    A caller may put other work between any two of them. No collective runs here; a parallel
+    subclass adds its exchanges in these methods and keeps all per-forward state in the
+    returned (frozen) values, never on ``self``.
     """
 
     def __init__(
@@ -479,99 +511,45 @@ class TokenDispatcher:
         topk_ids_TK: torch.Tensor,
         counts_E: torch.Tensor,
         capacity: Capacity | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchMetadata]:
-        """Group tokens by expert.
+    ) -> Routed:
+        """Group the (token, expert) pairs by expert (Note [Dispatcher steps]).
 
         ``capacity``: some pairs may be dropped (id ``E``; Note [Expert capacity] in
         ``capacity.py``), and ``counts_E`` counts the kept ones.
-
-        Returns:
-            ``(routed_RD, counts_e, metadata)``: the routed buffer, its rows per local expert
-            (int64, padding included, summing to ``R``), and what :meth:`combine` needs.
         """
         self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
         layout = sort_by_expert(
             topk_ids_TK, counts_E, pad_multiple=self.pad_multiple, capacity=capacity
         )
-        return self._dispatch_rows(x_TD, topk_scores_TK, layout)
-
-    def _dispatch_rows(
-        self, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, layout: ExpertLayout
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchMetadata]:
-        """Steps (2) and (3) of Note [Dispatcher steps] on a computed ``layout``."""
-        routed_RD = permute_tokens(x_TD, layout)
-        scores_TK = topk_scores_TK
-        if self.score_before_experts:
-            routed_RD = routed_RD * scores_in_rows(topk_scores_TK, layout).unsqueeze(-1)
-            scores_TK = None
-        return (
-            routed_RD,
-            layout.counts_e,
-            DispatchMetadata(
-                row_TK=layout.row_TK,
-                scores_TK=scores_TK,
-                void_row=layout.void_row,
-                order_N=layout.order_N if layout.row_N is None else None,
-            ),
+        return Routed(
+            source=x_TD,
+            scores=topk_scores_TK.to(x_TD.dtype),
+            layout=layout,
+            row_TK=layout.row_TK,
+            order_N=layout.order_N if layout.row_N is None else None,
+            void_row=layout.void_row,
         )
 
-    def combine(self, out_RD: torch.Tensor, metadata: DispatchMetadata) -> torch.Tensor:
-        """Weight and sum each token's expert outputs back into ``y_TD`` (token order)."""
-        return unpermute_and_reduce(
-            out_RD,
-            metadata.row_TK,
-            metadata.scores_TK,
-            order_N=metadata.order_N,
-            void_row=metadata.void_row,
-        )
+    def receive(self, routed: Routed) -> Received | None:
+        """The rows other ranks sent, once they are here; ``None``: this dispatcher sends none."""
+        return None
 
-    def run_experts(
-        self,
-        experts: Any,
-        x_TD: torch.Tensor,
-        topk_scores_TK: torch.Tensor,
-        topk_ids_TK: torch.Tensor,
-        counts_E: torch.Tensor,
-        capacity: Capacity | None = None,
+    def send_back(self, out_RD: torch.Tensor, routed: Routed) -> Any:
+        """Start returning the expert outputs of :meth:`receive`'s rows; ``None`` here."""
+        return None
+
+    def combine(
+        self, local_RD: torch.Tensor, routed: Routed, returning: Any = None
     ) -> torch.Tensor:
-        """``combine(experts.compute(*dispatch(...)))``: what ``GroupedExperts.forward`` runs.
+        """Sum each token's expert outputs (already weighted by the scores) into ``y_TD``."""
+        return unpermute_and_reduce(
+            local_RD, routed.row_TK, None, order_N=routed.order_N, void_row=routed.void_row
+        )
 
-        A communicating subclass may override it to overlap its exchange with the expert math
-        on rows that need no exchange; ``experts`` offers ``compute(routed_RD, counts_e)``,
-        ``local_weights()`` and ``compute_path``.
-
-        The local dispatcher (this class's own ``dispatch`` and ``combine``, no padding, scores
-        in combine) hands the three steps to ``experts.routed_step`` when the experts offer
-        it: one autograd node that saves less for backward (Note [What the experts save for
-        backward] in ``experts.py``); it returns ``None`` where it does not apply. A
-        ``capacity`` (Note [Expert capacity] in ``capacity.py``) takes the plain steps.
-        """
-        routed_step = getattr(experts, "routed_step", None)
-        if (
-            routed_step is not None
-            and capacity is None
-            and type(self).dispatch is TokenDispatcher.dispatch
-            and type(self).combine is TokenDispatcher.combine
-            and self.pad_multiple == 1
-            and not self.score_before_experts
-        ):
-            self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
-            layout = sort_by_expert(topk_ids_TK, counts_E)
-            y_TD = routed_step(x_TD, topk_scores_TK, layout)
-            if y_TD is not None:
-                return y_TD
-            routed_RD, counts_e, metadata = self._dispatch_rows(x_TD, topk_scores_TK, layout)
-            return self.combine(experts.compute(routed_RD, counts_e), metadata)
-        # the padding, and a capacity without pad_to_capacity, read the counts on the host:
-        # one eager island while compiling, as for the loop/bmm paths
-        eager = torch.compiler.is_compiling() and self.runs_eagerly_under_compile(capacity)
-        steps = _plain_steps_eagerly if eager else _plain_steps
-        return steps(self, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
-
-    def runs_eagerly_under_compile(self, capacity: Capacity | None = None) -> bool:
-        """Whether :meth:`run_experts` reads counts or exchange sizes on the host, and so runs
-        eagerly while ``torch.compile`` traces (Note [Eager islands under torch.compile] in
-        ``layer.py``). Here: ``pad_multiple > 1``, or a ``capacity`` without
+    def reads_host_sizes(self, capacity: Capacity | None = None) -> bool:
+        """Whether the stages read counts or exchange sizes on the host (so that under
+        ``torch.compile`` the layer runs them eagerly: Note [Eager islands under torch.compile]
+        in ``layer.py``). Here: ``pad_multiple > 1``, or a ``capacity`` without
         ``pad_to_capacity``, whose row layouts follow host counts."""
         return self.pad_multiple > 1 if capacity is None else not capacity.padded
 
@@ -603,22 +581,3 @@ class TokenDispatcher:
             f"{type(self).__name__}(num_experts={self.num_experts}, "
             f"pad_multiple={self.pad_multiple}, score_before_experts={self.score_before_experts})"
         )
-
-
-def _plain_steps(dispatcher, experts, x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity):
-    """``combine(experts.compute(*dispatch(...)))`` under plain autograd."""
-    routed_RD, counts_e, metadata = dispatcher.dispatch(
-        x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity
-    )
-    return dispatcher.combine(experts.compute(routed_RD, counts_e), metadata)
-
-
-# Under torch.compile, ``pad_multiple > 1`` runs dispatch, experts and combine eagerly: the
-# padded row layout needs the counts as host ints (``_padding_shift``), and tracing that read
-# would break the graph deep inside the dispatch and recompile for new counts.
-_plain_steps_eagerly = torch.compiler.disable(
-    _plain_steps,
-    reason="pad_multiple > 1, or a capacity without pad_to_capacity, lays the routed rows "
-    "out by counts read on the host, so dispatch, experts and combine run eagerly: one graph "
-    "break; pad_multiple=1 (dropless) or pad_to_capacity=True keeps them in the graph",
-)

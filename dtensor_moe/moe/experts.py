@@ -16,11 +16,10 @@ Weight layout (``nn.Linear`` convention per expert, ``out x in``):
     and ``w2`` on dim 2.
 
 Note [Grouped experts on local weights]: :func:`grouped_swiglu` is a pure function of plain
-tensors. The expert math reads the weights only through :meth:`GroupedExperts.local_weights`:
-:meth:`GroupedExperts.compute` calls it and then :func:`grouped_swiglu`, and the expert-parallel
-fast path (Note [Overlapped all-to-all] in ``dtensor_moe/parallel/dispatch.py``) calls it once
-per forward. No parallel style wraps ``compute``; DTensor weights become their local ``e``
-experts inside ``local_weights`` (below).
+tensors. The expert math reads the weights only through :meth:`GroupedExperts.local_weights`,
+once per forward (:meth:`GroupedExperts.forward` hands them to each :meth:`GroupedExperts.compute`
+call). No parallel style wraps ``compute``; DTensor weights become their local ``e`` experts
+inside ``local_weights`` (below).
 
 Note [Expert weights as DTensors]: a parallel style may turn ``w1``/``w2``/``w3`` into DTensors;
 :meth:`GroupedExperts.compute` then runs on their local shards (:func:`local_expert_weight`).
@@ -32,38 +31,14 @@ the tokens are the same on every rank of that dim); so the gradient keeps the pl
 mesh dim where the weight is ``Replicate``, the ranks route different tokens, so the local
 gradient is a partial sum over that dim: ``Partial``. A ``Partial`` weight is an error.
 
-Note [What the experts save for backward]: on the default single-process path (local
-dispatcher, no padding, scores in combine, ``grouped_mm``, ``fused_routed_step``),
-:meth:`GroupedExperts.routed_step` runs the token gather, the SwiGLU and the combine as one
-autograd node, :class:`_RoutedSwiGLU` (its SwiGLU steps: Note [SwiGLU steps on grouped_mm]).
-Plain autograd over those steps saves the gathered rows (``R x D``), both pre-activations,
-``silu(h1)`` and the product (``R x H`` each), and the expert outputs for the score gradient
-(``T x K x D``). The node saves only what backward cannot cheaply rebuild:
-
-* the gather's source ``x_TD`` (the router keeps it anyway) and the routing indices: backward
-  gathers the rows again (one ``index_select``);
-* the pre-activations ``h1 = x @ w1.T`` and ``h3 = x @ w3.T`` (``R x H`` each): backward
-  recomputes ``silu(h1) * h3`` (elementwise). With ``recompute_experts=True`` not even those:
-  backward recomputes them from the gathered rows, two more ``grouped_mm`` calls per backward
-  (forward + backward then runs 12 expert matmuls, the plain path 9, the node otherwise 10),
-  for the least memory;
-* no expert outputs. Backward recomputes ``out = h @ w2.T`` with the forward's own
-  ``grouped_mm`` call (one more grouped matmul per backward) for the score gradient.
-
-Backward otherwise runs the plain path's autograd backward op for op: the combine's backward
-(the same helpers, ``combine_row_grads`` and ``combine_score_grads`` in ``dispatch.py``: each
-row's gradient is ``s * g`` by one gather, the score gradients one dot product per pair in one
-pass), then ``grouped_mm``'s backward formulas, ``silu_backward``, and the permute's backward
-(the ``K`` row gradients added in ``k`` order). So the output and every gradient are the same
-bits as the plain path's (``tests/test_moe_memory.py``: ``torch.equal`` against
-``fused_routed_step=False`` in float32 and bf16, with and without ``recompute_experts``).
-``MoEConfig.fused_routed_step=False`` always takes the plain path. The other paths
-(``loop``/``bmm``, padding, ``score_before_experts``, the plain expert-parallel path) keep plain
-autograd; there ``recompute_experts`` checkpoints :meth:`GroupedExperts.compute` (its input is
-all it keeps). Under ``torch.compile`` the layer takes the plain path and the compiler's
-partitioner decides what to save. The expert-parallel one-node step saves the same way (Note
-[Overlapped all-to-all] in ``dtensor_moe/parallel/dispatch.py``). ``benchmarks/moe_memory.py``
-counts the bytes.
+Note [What the experts save for backward]: :meth:`GroupedExperts.compute` on the default
+``grouped_mm`` path keeps the source of the rows (``x_TD``, which the router keeps anyway, or
+the rows an exchange received), the two pre-activations ``h1``/``h3`` and ``O(R)`` indices and
+scores, through torch's selective activation checkpointing and one fused op (Note [The routed
+SwiGLU in two steps]). ``recompute_experts=True`` keeps only the source. The other paths
+(``fused_routed_step=False``, ``loop``/``bmm``, ``score_before_experts``) run plain autograd;
+there ``recompute_experts`` checkpoints the expert math (its input is all it keeps).
+``benchmarks/moe_memory.py`` counts the bytes.
 """
 
 # ruff: noqa: N803, N806, N812
@@ -85,10 +60,8 @@ from dtensor_moe.moe.config import ComputePath, DeviceLike, autocast_off, factor
 from dtensor_moe.moe.dispatch import (
     ExpertLayout,
     TokenDispatcher,
-    combine_row_grads,
-    combine_score_grads,
-    sum_rows,
-    weighted_row_sum,
+    permute_tokens,
+    scores_in_rows,
 )
 
 __all__ = [
@@ -112,8 +85,12 @@ class _ContiguousGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+    def forward(t: torch.Tensor) -> torch.Tensor:
         return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass  # nothing to keep; the setup_context form lets torch.func transforms run it
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -286,194 +263,140 @@ def _swiglu_bmm(
     return torch.bmm(F.silu(gate_ecH) * up_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
 
 
-# Note [SwiGLU steps on grouped_mm]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The fused routed step (:class:`_RoutedSwiGLU`) and the expert-parallel one-node step
-# (``_ExpertParallelStep`` in ``dtensor_moe/parallel/dispatch.py``) run the SwiGLU and its
-# backward by hand, on ``torch._grouped_mm`` over row groups ending at ``offs``. They share
-# the helpers below, which issue exactly the ops of :func:`grouped_swiglu`'s forward and of
-# autograd's backward for it (``grouped_mm``'s formulas, ``silu_backward``) on each row group:
-# the fused step gives the plain path's bits, and the expert-parallel step the plain math on
-# its own and received rows (its combine differs from the plain exchange's only in rounding).
-# The split into pieces lets each caller order them: the fused step reads the product for its
-# score gradient before ``grad_w2``; the expert-parallel step finishes the received rows'
-# input gradient and sends it before it computes their weight gradients, and runs the own
-# rows' whole backward while the output gradients travel.
+# Note [The routed SwiGLU in two steps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On the ``grouped_mm`` path, :meth:`GroupedExperts.compute` runs the experts as two steps:
+#
+# 1. the up projections, ``h1 = rows @ w1.T`` and ``h3 = rows @ w3.T``, where ``rows`` is the
+#    row gather of the source (``permute_tokens``). A ``saved_tensors_hooks`` pair keeps, in
+#    place of the ``R x D`` gathered rows that both projections save, their source and layout
+#    (:class:`_Regather`): backward gathers them again, once for both projections. The source is
+#    held anyway (by the router, or as the rows an exchange received);
+# 2. :func:`swiglu_down`, one op, ``s * ((silu(h1) * h3) @ w2.T)``: the SwiGLU product, the down
+#    projection and the row's combine weight. Its autograd formula keeps ``h1``, ``h3`` and the
+#    scores, recomputes ``silu(h1) * h3`` (elementwise), and gets the score gradient from the
+#    down projection's input gradient (``rowdot(g @ w2, h)``) instead of keeping the ``R x D``
+#    expert outputs.
+#
+# Forward and backward then run 9 grouped matmuls, as plain autograd does, and keep the source,
+# ``h1``, ``h3`` and ``O(R)`` indices and scores. Every backward may run more than once
+# (``retain_graph``, the input and weight phases of a zero-bubble schedule) and be differentiated
+# again (``create_graph``: the formula is made of differentiable ops in eager mode).
+# ``recompute_experts=True`` checkpoints both steps (``torch.utils.checkpoint``): only the source
+# is kept, and backward runs the two up projections again (11 grouped matmuls; the recompute
+# stops before the down projection). ``fused_routed_step=False`` runs plain autograd on
+# :func:`grouped_swiglu` and a multiplication by the scores. Under ``torch.func`` transforms
+# (which run no custom-op formula and no saved-tensor hook) the experts take the plain path, and
+# while compiling the rows are saved as they are (the partitioner decides what to keep); the
+# results are the same up to float rounding.
 
 
-def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm(a, b, offs=offs)`` as it is, for the hand-written steps (no
-    transpose of ``b`` and no autograd wrapper, unlike :func:`_grouped_mm`)."""
+def _gmm_t(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``a[g] @ b[i]`` per row group (``b`` as stored, no transpose); the compile-safe op while
+    compiling (Note [grouped_mm under torch.compile])."""
+    if torch.compiler.is_compiling():
+        return _grouped_mm_op(a, b.transpose(-2, -1), offs)
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def _swiglu_forward(
-    x_RD: torch.Tensor,
-    w1_eHD: torch.Tensor,
+def _gmm_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grad_RO[g].T @ x_RI[g]`` per row group: a weight's gradient."""
+    if torch.compiler.is_compiling():
+        return _grouped_mm_weight_grad(grad_RO, x_RI, offs)
+    return torch._grouped_mm(grad_RO.t(), x_RI, offs=offs)
+
+
+@torch.library.custom_op("dtensor_moe::swiglu_down", mutates_args=())
+def swiglu_down(
+    h1_RH: torch.Tensor,
+    h3_RH: torch.Tensor,
     w2_eDH: torch.Tensor,
-    w3_eHD: torch.Tensor,
-    offs: torch.Tensor,
-    gate_RH: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Grouped SwiGLU of row groups ending at ``offs``: ``(out_RD, (gate_RH, up_RH))``.
-
-    The pre-activations are what backward needs; :func:`_swiglu_saved` rebuilds the rest.
-    ``gate_RH``: the gate projection, when the caller computed it earlier (Note [Overlapped
-    all-to-all] in ``dtensor_moe/parallel/dispatch.py``).
-    """
-    if gate_RH is None:
-        gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
-    up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
-    h_RH = F.silu(gate_RH).mul_(up_RH)  # in place: one R x H buffer fewer, the same bits
-    return _gmm(h_RH, w2_eDH.transpose(-2, -1), offs), (gate_RH, up_RH)
-
-
-def _swiglu_saved(
-    x_RD: torch.Tensor | None,
-    hidden: tuple[torch.Tensor, ...],
-    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    offs: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(gate_RH, up_RH, silu(gate_RH), h_RH)`` for the backward of :func:`_swiglu_forward`,
-    from the saved pre-activations ``hidden``, or, when it is empty (``recompute_experts``),
-    recomputed from the input ``x_RD`` by two ``grouped_mm`` calls; the forward's bits."""
-    if hidden:
-        gate_RH, up_RH = hidden
-    else:
-        w1_eHD, _, w3_eHD = weights
-        gate_RH = _gmm(x_RD, w1_eHD.transpose(-2, -1), offs)
-        up_RH = _gmm(x_RD, w3_eHD.transpose(-2, -1), offs)
-    act_RH = F.silu(gate_RH)
-    return gate_RH, up_RH, act_RH, act_RH * up_RH
-
-
-def _w2_grad(grad_RD: torch.Tensor, saved: tuple[torch.Tensor, ...], offs) -> torch.Tensor:
-    """``grad_w2`` of :func:`_swiglu_forward` (``saved`` from :func:`_swiglu_saved`)."""
-    return _gmm(grad_RD.t(), saved[3], offs)
-
-
-def _gate_up_grads(
-    grad_RD: torch.Tensor,
-    saved: tuple[torch.Tensor, ...],
-    w2_eDH: torch.Tensor,
-    offs: torch.Tensor,
-    product_dead: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pre-activations' gradients ``(grad_gate_RH, grad_up_RH)`` of
-    :func:`_swiglu_forward`. ``product_dead``: the caller is done with the product
-    (``saved[3]``: :func:`_w2_grad` and any score gradient have read it), whose buffer then
-    takes the gate's gradient (Note [Scratch buffers of the fused step])."""
-    gate_RH, up_RH, act_RH, h_RH = saved
-    grad_h_RH = _gmm(grad_RD, w2_eDH, offs)
-    grad_gate_RH = torch.mul(grad_h_RH, up_RH, out=h_RH if product_dead else None)
-    torch.ops.aten.silu_backward.grad_input(grad_gate_RH, gate_RH, grad_input=grad_gate_RH)
-    return grad_gate_RH, grad_h_RH.mul_(act_RH)
-
-
-def _x_grad(
-    grad_gate_RH: torch.Tensor, grad_up_RH: torch.Tensor, weights: tuple, offs: torch.Tensor
+    offs_e: torch.Tensor,
+    scores_R: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The input's gradient of :func:`_swiglu_forward`, from :func:`_gate_up_grads`."""
-    w1_eHD, _, w3_eHD = weights
-    return _gmm(grad_gate_RH, w1_eHD, offs).add_(_gmm(grad_up_RH, w3_eHD, offs))
+    """``scores_R[:, None] * ((silu(h1_RH) * h3_RH) @ w2_eDH[i].T)`` per row group ending at
+    ``offs_e``; ``scores_R=None``: unscaled. Note [The routed SwiGLU in two steps]."""
+    h_RH = F.silu(h1_RH).mul_(h3_RH)
+    out_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
+    return out_RD if scores_R is None else out_RD.mul_(scores_R.unsqueeze(-1))
 
 
-def _w13_grads(
-    x_RD: torch.Tensor | None,
-    grad_gate_RH: torch.Tensor,
-    grad_up_RH: torch.Tensor,
-    offs: torch.Tensor,
-    need: tuple[bool, bool],
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(grad_w1, grad_w3)`` of :func:`_swiglu_forward`; ``need`` skips either (``None``)."""
-    return (
-        _gmm(grad_gate_RH.t(), x_RD, offs) if need[0] else None,
-        _gmm(grad_up_RH.t(), x_RD, offs) if need[1] else None,
-    )
+@swiglu_down.register_fake
+def _swiglu_down_fake(h1_RH, h3_RH, w2_eDH, offs_e, scores_R):
+    return h1_RH.new_empty(h1_RH.shape[0], w2_eDH.shape[1])
 
 
-# Note [Scratch buffers of the fused step]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The fused step's backward rebuilds what its forward did not keep: the gathered rows, the
-# SwiGLU product and the expert outputs. Each rebuild written into a fresh tensor costs a fresh
-# allocation, and on CPU glibc hands big ones fresh pages (page faults on every step; see "The
-# CPU allocator" in docs/benchmarks.md). So the gathered rows go into the expert outputs' buffer
-# once the score gradients have read it (without ``recompute_experts``, and when the scores
-# need a gradient; otherwise the rows are gathered fresh, and only when a weight gradient needs
-# them), the gate's gradient (``grad_h * h3``, then ``silu_backward`` in place) into the SwiGLU
-# product's buffer once ``grad_w2`` has read it, and the forward's product is made in place:
-# the same ops on the same values, so the same bits, with fewer fresh buffers.
-# ``torch._grouped_mm`` has no ``out=``, so its results stay fresh.
+def _swiglu_down_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
 
 
-class _RoutedSwiGLU(torch.autograd.Function):
-    """Token gather, grouped SwiGLU and combine as one node; Note [What the experts save for
-    backward]. ``forward(x_TD, scores_TK, w1, w2, w3, token_N, order_N, row_TK, offs_e,
-    recompute)`` returns ``y_TD``; no padding (``R == N``)."""
+def _swiglu_down_backward(ctx: Any, grad_RD: torch.Tensor) -> tuple:
+    h1, h3, w2, offs, s = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    g = grad_RD.contiguous()  # Note [grouped_mm expanded grad]
+    act = F.silu(h1)
+    h = act * h3
+    u = _gmm_t(g, w2, offs)  # the down projection's input gradient, before the scores
+    grad_s = None if s is None or not need[4] else (u * h).sum(-1)
+    if s is not None:
+        u, g = u * s.unsqueeze(-1), g * s.unsqueeze(-1)
+    grad_w2 = _gmm_weight_grad(g, h, offs) if need[2] else None
+    if torch.is_grad_enabled():  # create_graph: silu_backward has no derivative
+        sig = torch.sigmoid(h1)
+        grad_h1 = u * h3 * (sig * (1 + h1 * (1 - sig)))
+    else:
+        grad_h1 = torch.ops.aten.silu_backward(u * h3, h1)
+    return grad_h1, u * act, grad_w2, None, grad_s
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x_TD: torch.Tensor,
-        scores_TK: torch.Tensor,
-        w1_eHD: torch.Tensor,
-        w2_eDH: torch.Tensor,
-        w3_eHD: torch.Tensor,
-        token_N: torch.Tensor,
-        order_N: torch.Tensor,
-        row_TK: torch.Tensor,
-        offs_e: torch.Tensor,
-        recompute: bool,
-    ) -> torch.Tensor:
-        x_RD = x_TD.index_select(0, token_N)
-        out_RD, hidden = _swiglu_forward(x_RD, w1_eHD, w2_eDH, w3_eHD, offs_e)
-        del x_RD
-        y_TD = weighted_row_sum(out_RD, row_TK, scores_TK.to(x_TD.dtype))
-        del out_RD
-        ctx.save_for_backward(
-            x_TD, scores_TK, w1_eHD, w2_eDH, w3_eHD, token_N, order_N, row_TK, offs_e,
-            *(() if recompute else hidden),
-        )  # fmt: skip
-        return y_TD
 
-    @staticmethod
-    def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():  # Note [Double backward] in dispatch.py
-            raise RuntimeError(
-                "the MoE layer's fused routed step cannot be differentiated twice "
-                "(backward with create_graph=True, for a gradient penalty or a Hessian-vector "
-                "product); build the layer with MoEConfig(fused_routed_step=False), whose "
-                "plain path supports it, with the same first-order results"
-            )
-        x_TD, scores_TK, w1_eHD, w2_eDH, w3_eHD, token_N, order_N, row_TK, offs_e, *hidden = (
-            ctx.saved_tensors
-        )
-        T, K = row_TK.shape
-        weights = (w1_eHD, w2_eDH, w3_eHD)
-        # Note [Scratch buffers of the fused step]: dead buffers are written again (``out=``,
-        # in place) rather than fresh ones allocated; the values and bits are the same.
-        x_RD = None if hidden else x_TD.index_select(0, token_N)
-        saved = _swiglu_saved(x_RD, tuple(hidden), weights, offs_e)
-        need = ctx.needs_input_grad
-        # The plain combine's backward, op for op (Note [What the experts save for backward]).
-        s_TK = scores_TK.to(x_TD.dtype)
-        grad_RD = combine_row_grads(grad_TD, s_TK, row_TK, T * K, order_N)
-        grad_scores_TK, scratch_RD = None, None
-        if need[1]:
-            # out_RD again, by the forward's own call: the plain path's saved expert outputs.
-            scratch_RD = _gmm(saved[3], w2_eDH.transpose(-2, -1), offs_e)
-            grad_scores_TK = combine_score_grads(grad_TD, scratch_RD, row_TK).to(scores_TK.dtype)
-        if x_RD is None and (need[2] or need[4]):  # the token gather again, into the dead
-            x_RD = torch.index_select(x_TD, 0, token_N, out=scratch_RD)  # outputs if any
-        del scratch_RD
-        grad_w2 = _w2_grad(grad_RD, saved, offs_e) if need[3] else None
-        grad_gate_RH, grad_up_RH = _gate_up_grads(grad_RD, saved, w2_eDH, offs_e, product_dead=True)
-        del grad_RD, saved
-        grad_w1, grad_w3 = _w13_grads(x_RD, grad_gate_RH, grad_up_RH, offs_e, (need[2], need[4]))
-        grad_x_TD = None
-        if need[0]:
-            grad_x_TD = sum_rows(_x_grad(grad_gate_RH, grad_up_RH, weights, offs_e), row_TK)
-        return grad_x_TD, grad_scores_TK, grad_w1, grad_w2, grad_w3, *(None,) * 5
+swiglu_down.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
+
+
+class _Regather:
+    """What a saved-tensor hook keeps instead of the gathered rows: their source and layout.
+
+    The two up projections each save the rows; the first to unpack them in a backward gathers
+    them again and the second reuses that gather, which is then dropped, so a later backward
+    (a second one with ``retain_graph``, the weight phase of a zero-bubble schedule) gathers
+    again. In grad mode (``create_graph``) the gather is part of the new graph."""
+
+    __slots__ = ("source", "layout", "rows", "unpacked")
+
+    def __init__(self, source: torch.Tensor, layout: ExpertLayout) -> None:
+        self.source, self.layout, self.rows, self.unpacked = source, layout, None, 0
+
+    def get(self) -> torch.Tensor:
+        rows = self.rows
+        if rows is None:
+            rows = permute_tokens(self.source, self.layout)
+        self.unpacked += 1
+        self.rows = rows if self.unpacked % 2 else None
+        return rows
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved.get() if isinstance(saved, _Regather) else saved
+
+
+def _project_up(src_SD, layout, w1_eHD, w3_eHD, offs_e, regather=True):
+    """Step 1 of Note [The routed SwiGLU in two steps]: the rows of ``layout``, projected.
+    ``regather``: backward gathers the rows again instead of keeping them."""
+    rows_RD = permute_tokens(src_SD, layout)
+    if not regather:
+        return _grouped_mm(rows_RD, w1_eHD, offs_e), _grouped_mm(rows_RD, w3_eHD, offs_e)
+    regathered = _Regather(src_SD, layout)
+
+    def pack(t: torch.Tensor) -> Any:
+        return regathered if t is rows_RD else t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        return _grouped_mm(rows_RD, w1_eHD, offs_e), _grouped_mm(rows_RD, w3_eHD, offs_e)
+
+
+def _routed_swiglu(src_SD, layout, w1_eHD, w2_eDH, w3_eHD, offs_e, scores_R):
+    """Both steps: what ``recompute_experts`` checkpoints whole."""
+    h1_RH, h3_RH = _project_up(src_SD, layout, w1_eHD, w3_eHD, offs_e, regather=False)
+    return swiglu_down(h1_RH, h3_RH, w2_eDH, offs_e, scores_R)
 
 
 def grouped_swiglu(
@@ -496,10 +419,6 @@ def grouped_swiglu(
     e = w1_eHD.shape[0]
     if len(counts_e) != e:
         raise ValueError(f"counts_e has {len(counts_e)} entries but the weights hold {e} experts")
-    if torch.compiler.is_compiling() and not (
-        path in ("auto", "grouped_mm") and _grouped_mm_supported(x_RD, w1_eHD)
-    ):
-        return _host_count_paths(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path)
     with autocast_off(x_RD):
         return _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path)
 
@@ -520,24 +439,6 @@ def _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path) -> torch.Tenso
     if chosen == "bmm":
         return _swiglu_bmm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts[0])
     return _swiglu_loop(x_RD, w1_eHD, w2_eDH, w3_eHD, counts)
-
-
-_HOST_COUNTS_REASON = (
-    "the loop and bmm expert paths (compute_path='loop'/'bmm', or 'auto' when torch._grouped_mm "
-    "does not support the dtype or the row alignment) split the rows by counts read on the "
-    "host, so they run eagerly: one graph break. compute_path='auto' or 'grouped_mm' with "
-    "float32/bf16 and dim, hidden_dim rows of a multiple of 16 bytes keeps the experts in the graph"
-)
-
-
-def _host_count_paths(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path) -> torch.Tensor:
-    """:func:`grouped_swiglu` on a path that reads the counts on the host, run eagerly while
-    compiling (one graph break, Note [MoE under torch.compile] in ``layer.py``) instead of
-    tracing one break per host read and recompiling for every new set of counts."""
-    return grouped_swiglu(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path)
-
-
-_host_count_paths = torch.compiler.disable(_host_count_paths, reason=_HOST_COUNTS_REASON)
 
 
 def _host_counts(counts_e: torch.Tensor | Sequence[int], path: ComputePath) -> list[int] | None:
@@ -587,9 +488,9 @@ class GroupedExperts(nn.Module):
         compute_path: see :func:`grouped_swiglu`.
         recompute_experts: keep only the experts' input for backward and recompute the rest
             there (Note [What the experts save for backward]).
-        fused_routed_step: let the local dispatcher run gather, experts and combine as one
-            autograd node (:meth:`routed_step`); ``False`` always takes the plain path. Both
-            give the same bits.
+        fused_routed_step: on the ``grouped_mm`` path, keep less for backward (Note [The
+            routed SwiGLU in two steps]); ``False``: plain autograd, which also supports a
+            second backward. Both give the same outputs and gradients up to float rounding.
         dispatcher: a :class:`TokenDispatcher` (default: local, no padding, scores in combine).
             Parallel styles replace it with a communicating subclass.
         init_std: std of the normal weight initialisation.
@@ -644,6 +545,13 @@ class GroupedExperts(nn.Module):
         counts_E: torch.Tensor,
         capacity: Capacity | None = None,
     ) -> torch.Tensor:
+        """Dispatch, expert compute, combine: the routed path of every layout, read here.
+
+        Under expert parallelism the dispatcher's stages are start/wait pairs of exchanges
+        (Note [Exchanges as autograd pairs] in ``dtensor_moe/parallel/exchange.py``); the rows
+        this rank routes to its own experts are computed while their outputs travel back, and
+        autograd's order runs their backward while the output gradients travel.
+        """
         if x_TD.dtype != self.w1.dtype:  # after this module's own hooks (an FSDP unit's cast)
             raise ValueError(
                 f"the routed experts got input of dtype={x_TD.dtype} but their weights are "
@@ -651,74 +559,97 @@ class GroupedExperts(nn.Module):
                 "example moe.to(torch.bfloat16)). torch.autocast does not apply to the routed "
                 "experts: they run in the weights' dtype, and need an input of it"
             )
-        args = () if capacity is None else (capacity,)
+        dispatcher = self.dispatcher
         with autocast_off(x_TD):  # Note [Routed experts under autocast]
-            return self.dispatcher.run_experts(
-                self, x_TD, topk_scores_TK, topk_ids_TK, counts_E, *args
-            )
+            routed = dispatcher.dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
+            weights = self.local_weights()
+            received = dispatcher.receive(routed)  # None: no exchange
+            returning = None
+            if received is not None:
+                out_RD = self.compute(received.rows, received.scores, received.layout, weights)
+                returning = dispatcher.send_back(out_RD, routed)
+            local_RD = self.compute(routed.source, routed.scores, routed.layout, weights)
+            return dispatcher.combine(local_RD, routed, returning)
 
     def runs_eagerly_under_compile(
         self, x_TD: torch.Tensor, capacity: Capacity | None = None
     ) -> bool:
-        """Whether :meth:`forward` on ``x_TD`` reads counts or exchange sizes on the host, and
-        so runs (in part) eagerly while ``torch.compile`` traces: the dispatcher says so (an
-        expert-parallel exchange, ``pad_multiple > 1``, a capacity without padding), or the
-        compute path is ``loop``/``bmm`` (forced, or ``auto`` where ``torch._grouped_mm``
-        does not take the dtype or the row alignment). An :class:`~dtensor_moe.moe.MoE` then
-        calls this module eagerly as a whole (Note [Eager islands under torch.compile] in
-        ``layer.py``)."""
-        ask = getattr(self.dispatcher, "runs_eagerly_under_compile", None)  # a duck-typed one
-        if ask is not None and ask(capacity):
+        """Whether :meth:`forward` reads counts or exchange sizes on the host, so that an
+        :class:`~dtensor_moe.moe.MoE` under ``torch.compile`` calls it eagerly, as its one island
+        (Note [Eager islands under torch.compile] in ``layer.py``): the dispatcher's layout says
+        so (an exchange, ``pad_multiple > 1``, a capacity without padding), or the compute path
+        is ``loop``/``bmm`` (forced, or ``auto`` where ``torch._grouped_mm`` does not take the
+        dtype or the row alignment)."""
+        if self.dispatcher.reads_host_sizes(capacity):
             return True
         grouped = self.compute_path in ("auto", "grouped_mm")
         return not (grouped and _grouped_mm_supported(x_TD, local_expert_weight(self.w1)))
 
-    def compute(self, routed_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
-        """Expert math on the routed buffer; see Note [Grouped experts on local weights].
+    def compute(
+        self,
+        source_SD: torch.Tensor,
+        scores: torch.Tensor | None,
+        layout: ExpertLayout,
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The expert rows of ``layout``, gathered from ``source_SD``, through their experts:
+        ``out_RD``, in the layout's row order (padding rows zero).
 
-        DTensor weights are used through their local shards (Note [Expert weights as DTensors]).
-        With ``recompute_experts``, the call is checkpointed: backward recomputes it from
-        ``routed_RD`` (Note [What the experts save for backward]).
+        ``scores``: each pair's combine weight (indexed by ``layout.order_N``), applied to the
+        expert output, or before the experts with ``score_before_experts``; ``None``: unscaled.
+        ``weights``: :meth:`local_weights`, when the caller has them. What is kept for backward:
+        Note [The routed SwiGLU in two steps]. No collective.
         """
-        weights = self.local_weights()
-        if (
-            self.recompute_experts
+        w1, w2, w3 = self.local_weights() if weights is None else weights
+        scores_R = None if scores is None else scores_in_rows(scores, layout)
+        if layout.num_rows == 0:  # no rows here (no tokens, or all sent away): zero rows,
+            # still in the graph of the source, the scores and the weights, as on every rank
+            out_RD = permute_tokens(source_SD, layout)
+            if scores_R is not None:
+                out_RD = out_RD * scores_R.unsqueeze(-1)
+            return out_RD + 0 * (w1.sum() + w2.sum() + w3.sum())
+        first = self.dispatcher.score_before_experts
+        path = self._path(source_SD, w1, layout.counts_e)
+        staged = (
+            path == "grouped_mm"
+            and not first
+            and self.fused_routed_step
             and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-        ):
-            return torch.utils.checkpoint.checkpoint(
-                grouped_swiglu, routed_RD, *weights, counts_e, self.compute_path,
-                use_reentrant=False,
-            )
-        return grouped_swiglu(routed_RD, *weights, counts_e, self.compute_path)
-
-    def routed_step(
-        self, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, layout: ExpertLayout
-    ) -> torch.Tensor | None:
-        """Gather, experts and combine of a local dispatch as one node, or ``None``.
-
-        ``y_TD[t] = sum_k topk_scores_TK[t, k] * experts(x_TD[t])_k`` for the rows of
-        ``layout`` (no padding), saving what Note [What the experts save for backward] says.
-        ``None`` when the compute path is not ``grouped_mm`` (or while compiling): the caller
-        then runs dispatch, :meth:`compute` and combine. No collective.
-        """
-        if (
-            not self.fused_routed_step
-            or layout.row_N is not None
-            or torch.compiler.is_compiling()
-        ):
-            return None
-        w1, w2, w3 = self.local_weights()
-        if w1.shape[0] != len(layout.counts_e) or x_TD.dtype != w1.dtype:
-            return None  # the plain path raises the error
-        counts = _host_counts(layout.counts_e, self.compute_path)
-        if resolve_compute_path(self.compute_path, x_TD, w1, counts) != "grouped_mm":
-            return None
-        offs_e = _group_ends(layout.counts_e.to(x_TD.device))
-        return _RoutedSwiGLU.apply(
-            x_TD, topk_scores_TK, w1, w2, w3, layout.token_N, layout.order_N, layout.row_TK,
-            offs_e, self.recompute_experts,
+            and not _compat.functorch_active()
         )
+        if staged:
+            offs_e = _group_ends(layout.counts_e.to(source_SD.device))
+            if self.recompute_experts:
+                return torch.utils.checkpoint.checkpoint(
+                    _routed_swiglu, source_SD, layout, w1, w2, w3, offs_e, scores_R,
+                    use_reentrant=False,
+                )  # fmt: skip
+            regather = not torch.compiler.is_compiling()  # compiled: the partitioner's choice
+            h1_RH, h3_RH = _project_up(source_SD, layout, w1, w3, offs_e, regather)
+            return swiglu_down(h1_RH, h3_RH, w2, offs_e, scores_R)
+        rows_RD = permute_tokens(source_SD, layout)
+        if first and scores_R is not None:
+            rows_RD = rows_RD * scores_R.unsqueeze(-1)
+        if self.recompute_experts and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            out_RD = torch.utils.checkpoint.checkpoint(
+                _swiglu_on_path, rows_RD, w1, w2, w3, layout.counts_e, path, use_reentrant=False
+            )
+        else:
+            out_RD = _swiglu_on_path(rows_RD, w1, w2, w3, layout.counts_e, path)
+        if first or scores_R is None:
+            return out_RD
+        return out_RD * scores_R.unsqueeze(-1)
+
+    def _path(self, rows: torch.Tensor, w1_eHD: torch.Tensor, counts_e: torch.Tensor) -> str:
+        """The compute path for these rows and counts: the one decision that depends on the
+        data (``auto`` takes ``bmm`` for equal host counts)."""
+        if w1_eHD.shape[0] != counts_e.numel():
+            raise ValueError(
+                f"counts_e has {counts_e.numel()} entries but the weights hold "
+                f"{w1_eHD.shape[0]} experts"
+            )
+        counts = _host_counts(counts_e, self.compute_path)
+        return resolve_compute_path(self.compute_path, rows, w1_eHD, counts)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(w1, w2, w3)`` as plain tensors: the local shards of DTensor weights.

@@ -219,7 +219,7 @@ class MoE(nn.Module):
 # eagerly. The dispatcher and the experts each mark their own eager part (``torch.compiler.
 # disable``), which is what a caller of ``GroupedExperts`` alone gets; but a break deep inside
 # the experts is counted once per Python frame around it (the experts' forward, the dispatcher's
-# ``run_experts``, ...), each frame resumes in a compiled piece of its own, and every piece
+# the stages, ...), each frame resumes in a compiled piece of its own, and every piece
 # costs a guard check and a runtime wrapper per call. So while compiling, ``MoE.forward`` asks
 # the experts first (``GroupedExperts.runs_eagerly_under_compile``) and, when they would run
 # eagerly in part, calls the whole experts module eagerly from its own frame: one graph break

@@ -58,7 +58,7 @@ def parallelize_moe(
             tokens; the all-to-all replicates rows over the etp ranks) or ``"gather"`` (the tp
             ranks gather the tokens and reduce partial outputs); see
             :class:`~dtensor_moe.parallel.ExpertTensorParallel`.
-        ep_overlap: ``overlap`` of the expert styles: the one-node overlapped exchange
+        ep_overlap: ``overlap`` of the expert styles: the own rows computed during the exchange
             (``True``, default, faster) or the plain functional-collective path (``False``);
             same results. See :class:`~dtensor_moe.parallel.ExpertParallel`.
 

@@ -154,7 +154,7 @@ class ExpertParallel(ParallelStyle):
 
     Args:
         overlap: the switch between the two implementations of the exchange (Note
-            [Overlapped all-to-all] in ``parallel/dispatch.py``): ``True`` (default, faster)
+            [Own rows] in ``parallel/dispatch.py``): ``True`` (default, faster)
             runs dispatch, experts and combine as one autograd node that overlaps both
             exchanges with the math on this rank's own rows; ``False`` runs the plain
             ``dispatch`` -> ``compute`` -> ``combine`` path with functional collectives. Same

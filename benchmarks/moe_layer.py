@@ -370,18 +370,18 @@ def _captured_rows(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """The routed rows and counts that reach this rank's experts in one forward (the received
     rows and the own rows together, grouped by local expert)."""
     seen = []
-    compute = moe.experts.compute
+    finish = moe.experts.finish  # every expert computation ends there (own and received rows)
 
-    def capture(source_SD, scores, layout, weights=None):
+    def capture(started, source_SD, scores, layout, weights):
         seen.append((permute_tokens(source_SD, layout).detach(), layout.counts_e.tolist()))
-        return compute(source_SD, scores, layout, weights)
+        return finish(started, source_SD, scores, layout, weights)
 
-    moe.experts.compute = capture
+    moe.experts.finish = capture
     try:
         with torch.no_grad():
             moe(x)
     finally:
-        del moe.experts.compute
+        del moe.experts.finish
     groups, counts = [], []
     for j in range(len(seen[0][1])):
         parts = [rows.split(c)[j] for rows, c in seen]

@@ -338,8 +338,9 @@ def _swiglu_down_backward(ctx: Any, grad_RD: torch.Tensor) -> tuple:
     h = act * h3
     u = _gmm_t(g, w2, offs)  # the down projection's input gradient, before the scores
     grad_s = None if s is None or not need[4] else (u * h).sum(-1)
-    if s is not None:
-        u, g = u * s.unsqueeze(-1), g * s.unsqueeze(-1)
+    if s is not None:  # in place on u (fresh) unless a graph is being built
+        s1 = s.unsqueeze(-1)
+        u, g = (u * s1 if torch.is_grad_enabled() else u.mul_(s1)), g * s1
     grad_w2 = _gmm_weight_grad(g, h, offs) if need[2] else None
     if torch.is_grad_enabled():  # create_graph: silu_backward has no derivative
         sig = torch.sigmoid(h1)
@@ -563,12 +564,16 @@ class GroupedExperts(nn.Module):
         with autocast_off(x_TD):  # Note [Routed experts under autocast]
             routed = dispatcher.dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
             weights = self.local_weights()
+            # the local rows' up projections run while the other rows travel (EP), ...
+            local = self.project(routed.source, routed.layout, weights)
             received = dispatcher.receive(routed)  # None: no exchange
             returning = None
             if received is not None:
-                out_RD = self.compute(received.rows, received.scores, received.layout, weights)
-                returning = dispatcher.send_back(out_RD, routed)
-            local_RD = self.compute(routed.source, routed.scores, routed.layout, weights)
+                out_MD = self.compute(received.rows, received.scores, received.layout, weights,
+                                      keep_rows=True)  # nothing else keeps the received rows
+                returning = dispatcher.send_back(out_MD, routed)
+            # ... and their down projection while the outputs travel back
+            local_RD = self.finish(local, routed.source, routed.scores, routed.layout, weights)
             return dispatcher.combine(local_RD, routed, returning)
 
     def runs_eagerly_under_compile(
@@ -591,17 +596,60 @@ class GroupedExperts(nn.Module):
         scores: torch.Tensor | None,
         layout: ExpertLayout,
         weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        *,
+        keep_rows: bool = False,
     ) -> torch.Tensor:
         """The expert rows of ``layout``, gathered from ``source_SD``, through their experts:
         ``out_RD``, in the layout's row order (padding rows zero).
 
         ``scores``: each pair's combine weight (indexed by ``layout.order_N``), applied to the
         expert output, or before the experts with ``score_before_experts``; ``None``: unscaled.
-        ``weights``: :meth:`local_weights`, when the caller has them. What is kept for backward:
-        Note [The routed SwiGLU in two steps]. No collective.
+        ``weights``: :meth:`local_weights`, when the caller has them. ``keep_rows``: keep the
+        gathered rows for backward rather than gather them again (when nothing else keeps the
+        source). What is kept for backward: Note [The routed SwiGLU in two steps]. It is
+        :meth:`project` then :meth:`finish`, which a caller may run apart. No collective.
         """
-        w1, w2, w3 = self.local_weights() if weights is None else weights
+        weights = self.local_weights() if weights is None else weights
+        started = self.project(source_SD, layout, weights, keep_rows=keep_rows)
+        return self.finish(started, source_SD, scores, layout, weights)
+
+    def project(
+        self,
+        source_SD: torch.Tensor,
+        layout: ExpertLayout,
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        *,
+        keep_rows: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Step 1 of Note [The routed SwiGLU in two steps] on the default path: the up
+        projections ``(h1, h3, offs)``, or ``None`` where :meth:`finish` runs it all."""
+        w1, _, w3 = weights
+        if layout.num_rows == 0 or self.dispatcher.score_before_experts:
+            return None
+        if self.recompute_experts or not self.fused_routed_step or not torch.is_grad_enabled():
+            return None
+        if _compat.functorch_active() or self._path(source_SD, w1, layout.counts_e) != "grouped_mm":
+            return None
+        offs_e = _group_ends(layout.counts_e.to(source_SD.device))
+        regather = not keep_rows and not torch.compiler.is_compiling()  # compiled: the
+        h1_RH, h3_RH = _project_up(source_SD, layout, w1, w3, offs_e, regather)  # partitioner's
+        return h1_RH, h3_RH, offs_e
+
+    def finish(
+        self,
+        started: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        source_SD: torch.Tensor,
+        scores: torch.Tensor | None,
+        layout: ExpertLayout,
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Step 2 of Note [The routed SwiGLU in two steps] on what :meth:`project` returned, or
+        the whole expert math on the other paths."""
+        w1, w2, w3 = weights
         scores_R = None if scores is None else scores_in_rows(scores, layout)
+        if started is not None:
+            h1_RH, h3_RH, offs_e = started
+            return swiglu_down(h1_RH, h3_RH, w2, offs_e, scores_R)
         if layout.num_rows == 0:  # no rows here (no tokens, or all sent away): zero rows,
             # still in the graph of the source, the scores and the weights, as on every rank
             out_RD = permute_tokens(source_SD, layout)
@@ -610,23 +658,13 @@ class GroupedExperts(nn.Module):
             return out_RD + 0 * (w1.sum() + w2.sum() + w3.sum())
         first = self.dispatcher.score_before_experts
         path = self._path(source_SD, w1, layout.counts_e)
-        staged = (
-            path == "grouped_mm"
-            and not first
-            and self.fused_routed_step
-            and torch.is_grad_enabled()
-            and not _compat.functorch_active()
-        )
-        if staged:
-            offs_e = _group_ends(layout.counts_e.to(source_SD.device))
-            if self.recompute_experts:
-                return torch.utils.checkpoint.checkpoint(
-                    _routed_swiglu, source_SD, layout, w1, w2, w3, offs_e, scores_R,
-                    use_reentrant=False,
-                )  # fmt: skip
-            regather = not torch.compiler.is_compiling()  # compiled: the partitioner's choice
-            h1_RH, h3_RH = _project_up(source_SD, layout, w1, w3, offs_e, regather)
-            return swiglu_down(h1_RH, h3_RH, w2, offs_e, scores_R)
+        grad = torch.is_grad_enabled() and not _compat.functorch_active()
+        if path == "grouped_mm" and not first and self.fused_routed_step and grad:
+            offs_e = _group_ends(layout.counts_e.to(source_SD.device))  # recompute_experts
+            return torch.utils.checkpoint.checkpoint(
+                _routed_swiglu, source_SD, layout, w1, w2, w3, offs_e, scores_R,
+                use_reentrant=False,
+            )  # fmt: skip
         rows_RD = permute_tokens(source_SD, layout)
         if first and scores_R is not None:
             rows_RD = rows_RD * scores_R.unsqueeze(-1)

@@ -34,8 +34,8 @@ gradient is a partial sum over that dim: ``Partial``. A ``Partial`` weight is an
 Note [What the experts save for backward]: :meth:`GroupedExperts.compute` on the default
 ``grouped_mm`` path keeps the source of the rows (``x_TD``, which the router keeps anyway, or
 the rows an exchange received), the two pre-activations ``h1``/``h3`` and ``O(R)`` indices and
-scores, through torch's selective activation checkpointing and one fused op (Note [The routed
-SwiGLU in two steps]). ``recompute_experts=True`` keeps only the source. The other paths
+scores, through torch's saved-tensor hooks and one fused op (Note [The routed SwiGLU in two
+steps]). ``recompute_experts=True`` keeps only the source. The other paths
 (``fused_routed_step=False``, ``loop``/``bmm``, ``score_before_experts``) run plain autograd;
 there ``recompute_experts`` checkpoints the expert math (its input is all it keeps).
 ``benchmarks/moe_memory.py`` counts the bytes.
@@ -291,14 +291,6 @@ def _swiglu_bmm(
 # results are the same up to float rounding.
 
 
-def _gmm_t(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``a[g] @ b[i]`` per row group (``b`` as stored, no transpose); the compile-safe op while
-    compiling (Note [grouped_mm under torch.compile])."""
-    if torch.compiler.is_compiling():
-        return _grouped_mm_op(a, b.transpose(-2, -1), offs)
-    return torch._grouped_mm(a, b, offs=offs)
-
-
 def _gmm_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``grad_RO[g].T @ x_RI[g]`` per row group: a weight's gradient."""
     if torch.compiler.is_compiling():
@@ -336,11 +328,10 @@ def _swiglu_down_backward(ctx: Any, grad_RD: torch.Tensor) -> tuple:
     g = grad_RD.contiguous()  # Note [grouped_mm expanded grad]
     act = F.silu(h1)
     h = act * h3
-    u = _gmm_t(g, w2, offs)  # the down projection's input gradient, before the scores
+    u = _grouped_mm(g, w2.transpose(-2, -1), offs)  # g @ w2[e]: before the scores
     grad_s = None if s is None or not need[4] else (u * h).sum(-1)
     if s is not None:  # in place on u (fresh) unless a graph is being built
-        s1 = s.unsqueeze(-1)
-        u, g = (u * s1 if torch.is_grad_enabled() else u.mul_(s1)), g * s1
+        u, g = (u * s[:, None] if torch.is_grad_enabled() else u.mul_(s[:, None])), g * s[:, None]
     grad_w2 = _gmm_weight_grad(g, h, offs) if need[2] else None
     if torch.is_grad_enabled():  # create_graph: silu_backward has no derivative
         sig = torch.sigmoid(h1)

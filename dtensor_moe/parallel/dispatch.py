@@ -123,6 +123,13 @@ def replicate_over_etp(
     return ids_TKR.flatten(1), counts_X
 
 
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation of ``order``: ``_inverse(order)[order[i]] == i``."""
+    return torch.empty_like(order).index_put_(
+        (order,), torch.arange(order.numel(), device=order.device)
+    )
+
+
 def _block_sums(counts: list[int], e: int) -> list[int]:
     """Sums of consecutive blocks of ``e`` host counts: rows per rank of ``P * e`` counts."""
     return [sum(counts[i : i + e]) for i in range(0, len(counts), e)]
@@ -364,9 +371,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         N = T * X
         order_N = torch.argsort(key_G[ids_TX.reshape(-1)], stable=True)
         token_N = torch.div(order_N, X, rounding_mode="floor")
-        position_N = torch.empty_like(order_N)
-        position_N.index_put_((order_N,), torch.arange(N, device=order_N.device))
-        position_TX = position_N.view(T, X)
+        position_TX = _inverse(order_N).view(T, X)
         counts_work.wait()
         sent, arrived = torch.stack((counts_X, counts_in)).tolist()
         P = len(sent) // e
@@ -434,19 +439,18 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         # The received (P, e, C) blocks, grouped by local expert: (e, P, C).
         dev = x_TD.device
         block_M = torch.arange(P * e * C, device=dev).view(P, e, C).transpose(0, 1).reshape(-1)
-        position_M = torch.empty_like(block_M).index_put_((block_M,), torch.arange(
-            block_M.numel(), device=dev))
         received = ExpertLayout(
             token_N=block_M,
             order_N=block_M,
             row_N=None,
-            row_TK=position_M.view(-1, 1),
+            row_TK=_inverse(block_M).view(-1, 1),
             counts_e=torch.full((e,), P * C, dtype=torch.int64, device=dev),
             num_rows=P * e * C,
         )
-        nothing = subset_layout(
-            block_M, block_M, layout.row_TK, 0, 0, torch.zeros(e, dtype=torch.int64, device=dev)
-        )
+        nothing = subset_layout(  # every row goes through the exchange, the own ones too
+            layout.token_N, layout.order_N, layout.row_TK, 0, 0,
+            torch.zeros(e, dtype=torch.int64, device=dev),
+        )  # fmt: skip
         return Routed(
             source=x_TD,
             scores=scores_TX,

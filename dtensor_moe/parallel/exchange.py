@@ -41,6 +41,19 @@ import torch.distributed as dist
 
 __all__ = ["Exchange", "gather_start", "gather_wait", "scatter_start", "scatter_wait"]
 
+# Called with no argument right after every exchange is launched, forward or backward (a
+# scheduler that interleaves two micro-batches switches to the other one there); ``None``: no
+# call. Set it through ``set_after_launch``.
+_after_launch: Any = None
+
+
+def set_after_launch(hook: Any) -> Any:
+    """Install ``hook`` (a callable taking no argument, or ``None``) to run right after every
+    exchange's all-to-all is launched; returns the previous one."""
+    global _after_launch
+    previous, _after_launch = _after_launch, hook
+    return previous
+
 
 class Exchange:
     """Splits of one exchange, from the scattering side, and the state of its collective.
@@ -78,6 +91,8 @@ def _launch(ex: Exchange, outs: list, ins: list, out_splits, in_splits) -> None:
                                async_op=True)
         for o, i in zip(outs, ins)
     ]  # fmt: skip
+    if _after_launch is not None:
+        _after_launch()
 
 
 class _ScatterStart(torch.autograd.Function):

@@ -43,6 +43,7 @@ scan's reach; these are all of them (kept in this form so that the test's parser
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,11 +62,14 @@ __all__ = [
     "dtensor_specs",
     "flatten_mesh",
     "in_backward_pass",
+    "is_pipeline_runtime",
     "local_tensor",
     "local_tensors",
     "functorch_active",
     "local_views",
     "replace_dtensor_storage",
+    "running_perform_action",
+    "runtime_defines_perform_action",
     "schema_of",
     "spec_of",
     "splits_tensor",
@@ -292,3 +296,40 @@ def flatten_mesh(mesh):
     calling it on each rank, in the same order, is safe and cheap after the first call.
     """
     return mesh if mesh.ndim == 1 else mesh._flatten()
+
+
+def is_pipeline_runtime(schedule: object) -> bool:
+    """Whether ``schedule`` runs a lowered action list with custom functions:
+    ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime`` (torch 2.13), the base
+    of ``ScheduleDualPipeV`` and the other multi-stage schedules."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    return isinstance(schedule, _PipelineScheduleRuntime)
+
+
+def runtime_defines_perform_action() -> bool:
+    """Whether ``_PipelineScheduleRuntime._step_microbatches`` (torch 2.13) still defines the
+    local ``_perform_action`` that :func:`running_perform_action` reads."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    return "_perform_action" in _PipelineScheduleRuntime._step_microbatches.__code__.co_varnames
+
+
+def running_perform_action(schedule: object) -> Callable[[Any], None] | None:
+    """The function that ``schedule``'s running step calls for each action, or ``None``.
+
+    ``_PipelineScheduleRuntime._step_microbatches`` (torch 2.13) defines it as the local closure
+    ``_perform_action(action)``: the input wait, the stage's ``forward_one_chunk`` and loss, or
+    ``backward_one_chunk``, the hand-over to the next stage on the same rank. A custom function
+    registered with ``register_custom_function`` runs inside that method, so the closure is a
+    local of one of the caller's frames (the one whose ``self`` is ``schedule``); torch passes
+    it no other way.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_step_microbatches" and frame.f_locals.get("self") is schedule:
+            perform = frame.f_locals.get("_perform_action")
+            if callable(perform):
+                return perform
+        frame = frame.f_back
+    return None

@@ -7,6 +7,7 @@ from dtensor_moe.parallel.dense import DenseNames, dense_tp_plan, parallelize_de
 from dtensor_moe.parallel.dispatch import AllToAllTokenDispatcher
 from dtensor_moe.parallel.fsdp import expert_shard_dim, fully_shard_moe
 from dtensor_moe.parallel.mesh import MoEMeshes, build_moe_meshes
+from dtensor_moe.parallel.overlap import overlap_f_b
 from dtensor_moe.parallel.padding import ShardDim, TokenShardMeta
 from dtensor_moe.parallel.plan import parallelize_moe
 from dtensor_moe.parallel.style import ExpertParallel, ExpertTensorParallel, PrepareMoEInput
@@ -27,6 +28,7 @@ __all__ = [
     "dense_tp_plan",
     "expert_shard_dim",
     "fully_shard_moe",
+    "overlap_f_b",
     "parallelize_dense",
     "parallelize_moe",
 ]

@@ -108,15 +108,15 @@ class ParallelStylesTest(DistTestBase):
         self.assertExpectedInline(
             "\n".join(lines),
             """\
-ep2: forward alltoall_base_=4 | backward alltoall_base_=3
-ep4: forward alltoall_base_=4 | backward alltoall_base_=3
-etp2: forward all_reduce=1 alltoall_base_=4 | backward alltoall_base_=3
+ep2: forward alltoall_base_=3 | backward alltoall_base_=2
+ep4: forward alltoall_base_=3 | backward alltoall_base_=2
+etp2: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2
 etp2_gather: forward all_reduce=1 | backward all_reduce=1
-ep2tp2: forward all_reduce=1 alltoall_base_=4 | backward alltoall_base_=3
-ep2tp2_gather: forward all_gather_into_tensor=1 alltoall_base_=4 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 alltoall_base_=3 reduce_scatter_tensor=1
-sp2ep2: forward all_reduce=1 alltoall_base_=4 | backward alltoall_base_=3
-tp2ep2: forward all_gather_into_tensor=1 all_reduce=1 alltoall_base_=4 | backward all_gather_into_tensor=1 alltoall_base_=3
-sp2ep4: forward all_reduce=1 alltoall_base_=4 | backward alltoall_base_=3""",
+ep2tp2: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2
+ep2tp2_gather: forward all_gather_into_tensor=1 alltoall_base_=3 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 alltoall_base_=2 reduce_scatter_tensor=1
+sp2ep2: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2
+tp2ep2: forward all_gather_into_tensor=1 all_reduce=1 alltoall_base_=3 | backward all_gather_into_tensor=1 alltoall_base_=2
+sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
         )
 
     @with_comms

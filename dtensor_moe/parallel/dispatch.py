@@ -4,7 +4,15 @@ Shape legend:
     T  tokens routed by this rank
     D  model width
     E  routed experts (global count); e  experts held by this rank (``E // ep``)
-    K  experts per token; X = K * replicas rows per token (Note [Expert TP by all-to-all])
+    K  experts per token; X = K * replicas rows per token (Note [Packed rows]
+~~~~~~~~~~~~~~~~~~
+The experts apply the combine weights (``swiglu_down``), so each row travels with its weight:
+``(N, D + 1)``, the weight as the last column, one all-to-all. On arrival ``_Unpack`` returns
+the rows and the weights as views of that buffer, and its backward packs their gradients the
+same way, so the reverse exchange is one all-to-all too. Sending them as two tensors costs a
+second collective each way (gloo: a few ms of latency each on CPU), for ``N`` numbers.
+
+Note [Expert TP by all-to-all])
     N  rows this rank sends (including its own), sorted by destination rank, then local expert
     M  rows this rank receives from the other ranks, grouped by source rank, then local expert
     R  rows of a routed buffer grouped by local expert, alignment padding included
@@ -17,8 +25,8 @@ Experts are ``Shard(0)`` over the EP ranks: EP rank ``p`` holds global experts
 
 1. ``dispatch``: launch the count exchange (``all_to_all_single`` of the ``P * e``
    per-destination counts, equal splits), sort the rows by destination rank and local expert
-   while it runs, wait, then start one exchange node that sends the rows and their combine
-   weights (variable splits read on the host, one sync).
+   while it runs, wait, then start the exchange of the rows with their combine weights
+   (Note [Packed rows]; variable splits read on the host, one sync).
 2. ``receive``: wait for them; their order by local expert (``sort_by_expert`` on ``(M, 1)``
    local ids, with alignment padding) was computed while they travelled.
 3. ``send_back``: the expert outputs, already weighted, back in arrival order, start the
@@ -30,8 +38,8 @@ Every per-forward value lives in the returned ``Routed`` (frozen) or in local va
 dispatcher holds only its configuration.
 
 Collectives, on the dispatcher's mesh, every rank the same, sizes agreeing by construction:
-forward ``all_to_all_single`` x 4 (counts, then rows and their combine weights in one exchange
-node, then outputs), backward x 3 (output gradients, then row and weight gradients). The
+forward ``all_to_all_single`` x 3 (counts, then rows with their combine weights, then
+outputs), backward x 2 (output gradients, then row and weight gradients). The
 exchanges are start/wait pairs of autograd ops (Note [Exchanges as autograd pairs] in
 ``exchange.py``); ``CommDebugMode`` counts each ``all_to_all_single``.
 
@@ -128,6 +136,20 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).index_put_(
         (order,), torch.arange(order.numel(), device=order.device)
     )
+
+
+class _Unpack(torch.autograd.Function):
+    """Rows ``(M, D)`` and weights ``(M,)`` as views of the ``(M, D + 1)`` buffer they travelled
+    in; the backward packs their gradients the same way, into one buffer for one collective
+    (autograd's two slice backwards would each allocate the whole buffer and add them)."""
+
+    @staticmethod
+    def forward(ctx: Any, packed_MD1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return packed_MD1[:, :-1], packed_MD1[:, -1]
+
+    @staticmethod
+    def backward(ctx: Any, grad_MD: torch.Tensor, grad_M: torch.Tensor) -> torch.Tensor:
+        return torch.cat((grad_MD, grad_M.unsqueeze(-1)), dim=-1)
 
 
 def _block_sums(counts: list[int], e: int) -> list[int]:
@@ -418,7 +440,9 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         scores_N = scores_in_rows(scores_TX, layout)
         if self.score_before_experts:  # the rows travel scaled; no weights to send
             return (scatter_start(ex, rows_ND * scores_N.unsqueeze(-1))[0],), ex
-        return scatter_start(ex, rows_ND, scores_N)[:2], ex
+        # each row with its weight in one buffer: one collective each way (Note [Packed rows])
+        packed_ND1 = torch.cat((rows_ND, scores_N.unsqueeze(-1)), dim=-1)
+        return (scatter_start(ex, packed_ND1)[0],), ex
 
     def _dispatch_static(
         self,
@@ -471,9 +495,11 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         if ex is None:
             return None
         buffers, exchange = ex.sending
-        arrived = scatter_wait(exchange, *buffers)
-        scores = arrived[1] if len(arrived) > 1 else None
-        return Received(rows=arrived[0], scores=scores, layout=ex.received)
+        (arrived,) = scatter_wait(exchange, *buffers)
+        if self.score_before_experts:
+            return Received(rows=arrived, scores=None, layout=ex.received)
+        rows_MD, scores_M = _Unpack.apply(arrived)
+        return Received(rows=rows_MD, scores=scores_M, layout=ex.received)
 
     def send_back(self, out_RD: torch.Tensor, routed: Routed) -> torch.Tensor | None:
         """Start returning the received rows' outputs, back in arrival order."""

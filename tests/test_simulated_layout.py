@@ -1,4 +1,5 @@
-"""16 ranks in one process: two MoE layers at pp2 x dp2 x ep4, against one process.
+"""16 ranks in one process: two MoE layers at pp2 x dp2 x ep4 (and pp2 x dp4 x EP2 x expert
+TP2), against one process.
 
 The layouts run on torch's threaded process group (``tests/_threaded_world.py``): 16 threads
 of this process, each one rank, with real data in every collective. The package runs
@@ -12,8 +13,8 @@ micro-batch would send it.
 The reference is one process: the same two layers (same weights) on the whole global batch,
 ``y = layer1(layer0(X))``, loss ``sum(y * G)``. Every rank's output shard and input gradient
 shard, and every parameter gradient of both layers reduced as ``docs/parallelism.md`` says
-(routed experts: the ``Shard(0)`` blocks summed over ``edp``; the router and shared experts:
-summed over ``dp``, over tp first under sequence parallelism), match it within 1e-5
+(routed experts: gathered over ``ep`` and ``etp``, summed over ``edp``; the router and shared
+experts: summed over tp under sequence parallelism, then over ``dp``), match it within 1e-5
 (relative, fp32).
 
 Why not ``LocalTensorMode`` or the fake process group: see "Beyond this machine" in
@@ -52,14 +53,19 @@ class Layout:
     dp: int
     ep: int
     tp: int = 1
+    expert_tp: bool = False
 
     @property
     def stage(self) -> int:
         return self.dp * self.tp
 
     @property
+    def etp(self) -> int:
+        return self.tp if self.expert_tp else 1
+
+    @property
     def edp(self) -> int:
-        return self.stage // self.ep
+        return self.stage // (self.ep * self.etp)
 
 
 LAYOUTS = {
@@ -67,6 +73,8 @@ LAYOUTS = {
     "pp2_edp2_ep4": Layout(dp=8, ep=4),
     # per stage: dp2 x SP4, EP4 over each tp group
     "pp2_dp2_sp4_ep4": Layout(dp=2, ep=4, tp=4),
+    # per stage: dp4 x SP2, EP2 x expert TP2 (each row sent to both hidden-dim slices)
+    "pp2_dp4_sp2_ep2_etp2": Layout(dp=4, ep=2, tp=2, expert_tp=True),
 }
 
 
@@ -107,7 +115,9 @@ class Reference:
 def run_rank(rank: int, layout: Layout, ref: Reference, overlap: bool) -> dict:
     """One rank: its stage's layer on its shard; the activation and its gradient cross the
     stages over the pp mesh. Returns its output and input-gradient shards and its grads."""
-    meshes = build_moe_meshes(pp=PP, dp=layout.dp, ep=layout.ep, tp=layout.tp)
+    meshes = build_moe_meshes(
+        pp=PP, dp=layout.dp, ep=layout.ep, tp=layout.tp, expert_tp=layout.expert_tp
+    )
     stage = meshes.pp_rank
     layer = parallelize_moe(
         copy.deepcopy(ref.layers[stage]), meshes, sequence_parallel=layout.tp > 1,
@@ -143,10 +153,9 @@ def run_rank(rank: int, layout: Layout, ref: Reference, overlap: bool) -> dict:
 
     grads = {}
     for name, param in layer.named_parameters():
-        grad = param.grad
-        if isinstance(grad, DTensor):  # under SP a replicated weight's grad is Partial over tp
-            grad = grad.redistribute(placements=param.placements).to_local()
-        grads[name] = grad
+        # Routed experts: sharded over ep (and etp), complete for the tokens of their edp
+        # group. Under SP a replicated weight's grad is Partial over tp. Gathered whole here.
+        grads[name] = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
     return {"out": out.detach(), "in_grad": x_local.grad, "grads": grads,
             "where": (stage, rows, cols)}  # fmt: skip
 
@@ -168,15 +177,13 @@ def test_16_ranks_match_one_process(name: str, overlap: bool) -> None:
         close(res["in_grad"], ref.input_grads[stage][rows, cols], f"{what}: input grad")
 
     for stage, ref_layer in enumerate(ref.layers):
-        first = stage * layout.stage  # the stage's ranks: first + (edp_i * ep + ep_i)
+        # the stage's ranks: first + (edp_i * ep + ep_i) * etp + etp_i = first + dp_i * tp + tp_i
+        first = stage * layout.stage
         for pname, param in ref_layer.named_parameters():
             what = f"{name} overlap={overlap} stage {stage}: {pname}.grad"
-            if pname.startswith("experts."):  # Shard(0) on ep: block ep_i, summed over edp
-                ranks = [[first + d * layout.ep + p for d in range(layout.edp)]
-                         for p in range(layout.ep)]  # fmt: skip
-                blocks = [sum(results[r]["grads"][pname] for r in block) for block in ranks]
-                assert blocks[0].shape[0] == E // layout.ep, what
-                got = torch.cat(blocks)
-            else:  # complete on every tp rank (redistributed above): summed over dp
-                got = sum(results[first + d * layout.tp]["grads"][pname] for d in range(layout.dp))
+            if pname.startswith("experts."):  # summed over edp (ep_i = etp_i = 0 of each)
+                step, copies = layout.ep * layout.etp, layout.edp
+            else:  # summed over dp (tp_i = 0 of each)
+                step, copies = layout.tp, layout.dp
+            got = sum(results[first + d * step]["grads"][pname] for d in range(copies))
             close(got, param.grad, what)

@@ -1,8 +1,8 @@
-"""16 ranks in one process: two MoE layers at pp2 x dp2 x ep4 (and pp2 x dp4 x EP2 x expert
-TP2), against one process.
+"""16 and 32 ranks in one process: two MoE layers at pp2 x dp2 x ep4 (and pp2 x dp4 x EP2 x
+expert TP2, pp2 x dp2 x ep8), against one process.
 
-The layouts run on torch's threaded process group (``tests/_threaded_world.py``): 16 threads
-of this process, each one rank, with real data in every collective. The package runs
+The layouts run on torch's threaded process group (``tests/_threaded_world.py``): one thread
+of this process per rank, with real data in every collective. The package runs
 unmodified: the count exchange and its host read, the variable-split ``all_to_all_single``
 exchanges (forward and backward), DTensor's redistributes and the functional collectives of the
 identical-tokens check. Stage ``s`` of ``build_moe_meshes(pp=2, ...)`` holds MoE layer ``s``;
@@ -29,6 +29,7 @@ Shape legend: B sequences per data shard, L tokens per sequence, D dim, E expert
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -39,9 +40,9 @@ from torch.distributed.tensor import DTensor, Shard
 from dtensor_moe import MoE, MoEConfig, build_moe_meshes, parallelize_moe
 from tests._threaded_world import run_ranks
 
-WORLD, PP = 16, 2
+PP = 2
 D, H, E = 16, 32, 8
-B, L = 2, 7  # L = 7 over tp = 4: sequence shards of 2, 2, 2 and 1 tokens
+B, L = 2, 7  # L = 7 over tp = 4: shards of 2, 2, 2 and 1 tokens; over tp = 8: one rank has none
 TOL = 1e-5
 
 
@@ -60,6 +61,10 @@ class Layout:
         return self.dp * self.tp
 
     @property
+    def world(self) -> int:
+        return PP * self.stage
+
+    @property
     def etp(self) -> int:
         return self.tp if self.expert_tp else 1
 
@@ -75,7 +80,15 @@ LAYOUTS = {
     "pp2_dp2_sp4_ep4": Layout(dp=2, ep=4, tp=4),
     # per stage: dp4 x SP2, EP2 x expert TP2 (each row sent to both hidden-dim slices)
     "pp2_dp4_sp2_ep2_etp2": Layout(dp=4, ep=2, tp=2, expert_tp=True),
+    # 32 ranks; per stage: dp2 x SP8, EP8 over each tp group; a rank of each tp group gets no
+    # token (L = 7 < tp)
+    "pp2_dp2_sp8_ep8": Layout(dp=2, ep=8, tp=8),
 }
+# (layout, ep_overlap): both exchange paths at 16 ranks, the overlapped one at 32;
+# DTENSOR_MOE_FULL_MATRIX=1 adds the plain one at 32
+CASES = [(name, overlap) for name in LAYOUTS for overlap in (True, False)]
+if os.environ.get("DTENSOR_MOE_FULL_MATRIX") != "1":
+    CASES.remove(("pp2_dp2_sp8_ep8", False))
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, msg: str) -> None:
@@ -160,14 +173,14 @@ def run_rank(rank: int, layout: Layout, ref: Reference, overlap: bool) -> dict:
             "where": (stage, rows, cols)}  # fmt: skip
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_16_ranks_match_one_process(name: str, overlap: bool) -> None:
+@pytest.mark.parametrize(
+    ("name", "overlap"), CASES, ids=[f"{n}-{'overlap' if o else 'plain'}" for n, o in CASES]
+)
+def test_layout_matches_one_process(name: str, overlap: bool) -> None:
     layout = LAYOUTS[name]
-    assert PP * layout.stage == WORLD
     ref = Reference(layout)
-    results = run_ranks(WORLD, lambda rank: run_rank(rank, layout, ref, overlap))
-    assert sorted(results) == list(range(WORLD))
+    results = run_ranks(layout.world, lambda rank: run_rank(rank, layout, ref, overlap))
+    assert sorted(results) == list(range(layout.world))
 
     for rank, res in results.items():
         stage, rows, cols = res["where"]

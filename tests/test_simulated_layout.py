@@ -48,8 +48,8 @@ TOL = 1e-5
 
 @dataclass(frozen=True)
 class Layout:
-    """One stage's degrees; ``tp > 1`` runs sequence parallelism with EP borrowing the tp
-    ranks."""
+    """One stage's degrees; ``tp > 1`` runs sequence parallelism, with EP borrowing the tp
+    ranks unless ``expert_tp``."""
 
     dp: int
     ep: int
@@ -114,6 +114,7 @@ class Reference:
         config = MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=2, num_shared_experts=1,
                            init_std=0.3)  # fmt: skip
         self.layers = [MoE(config) for _ in range(PP)]
+        self.initial = copy.deepcopy(self.layers)  # what each rank parallelizes: no grads
         self.X = torch.randn(layout.dp * B, L, D)
         self.G = torch.randn(layout.dp * B, L, D)
         x = self.X.clone().requires_grad_()
@@ -133,7 +134,7 @@ def run_rank(rank: int, layout: Layout, ref: Reference, overlap: bool) -> dict:
     )
     stage = meshes.pp_rank
     layer = parallelize_moe(
-        copy.deepcopy(ref.layers[stage]), meshes, sequence_parallel=layout.tp > 1,
+        copy.deepcopy(ref.initial[stage]), meshes, sequence_parallel=layout.tp > 1,
         ep_overlap=overlap,
     )  # fmt: skip
     dp_i, tp_i = divmod(rank - meshes.stage_ranks[0], layout.tp)

@@ -353,7 +353,7 @@ def _live_entry(key: tuple) -> _Built | None:
     current = dist.group.WORLD if dist.is_initialized() else None
     for k, built in list(_BUILT.items()):
         if built.world() is not current or current is None or not built.alive():
-            del _BUILT[k]
+            _BUILT.pop(k, None)  # ranks run as threads of one process may drop it together
     return _BUILT.get(key)
 
 

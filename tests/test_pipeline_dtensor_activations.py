@@ -17,7 +17,9 @@ enough).
 Each stage is built under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s debug level, so that torch checks
 every tensor it receives and sends (the input gradients autograd computes included) against that
 metadata, and the stage module records what its forward received. ``Schedule1F1B`` runs uneven
-sequence shards (7 tokens: 4 and 3), ``ScheduleZBVZeroBubble`` even ones (6 tokens). Each tp rank's
+sequence shards (7 tokens: 4 and 3), ``ScheduleZBVZeroBubble`` even ones (6 tokens);
+``DTENSOR_MOE_FULL_MATRIX=1`` adds ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``,
+``ScheduleDualPipeV`` and ``ScheduleInterleavedZeroBubble`` with uneven shards. Each tp rank's
 loss is the sum over its own tokens divided by every token's count, so that the tp ranks' losses
 and grads add up to the single-process ones: those must agree within 1e-5 relative (fp32), and so
 must the routers' counters.
@@ -27,12 +29,22 @@ Shape legend: b sequences per micro-batch, S tokens per sequence, D dim, V vocab
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
@@ -53,6 +65,9 @@ from tests.test_pipeline_schedule import (
 from tests.test_pipeline_sequence_parallel import sequence_parallel
 
 TP = 2
+# DTENSOR_MOE_FULL_MATRIX=1: the other schedules too, with uneven shards (one stage per rank,
+# or two looped or V-shaped)
+FULL = os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1"
 
 
 class DTensorStage(nn.Module):
@@ -185,10 +200,16 @@ class PipelineDTensorActivationsTest(DistTestBase):
     @with_comms
     def test_1f1b(self):
         self._check(Schedule1F1B, "single", seq_len=7)  # shards of 4 and 3 tokens
+        for schedule_cls, style in [(ScheduleGPipe, "single"),
+                                    (ScheduleInterleaved1F1B, "loop")] if FULL else []:
+            self._check(schedule_cls, style, seq_len=7)
 
     @with_comms
     def test_zero_bubble_v(self):
         self._check(ScheduleZBVZeroBubble, "v", seq_len=6)
+        for schedule_cls, style in [(ScheduleDualPipeV, "v"),
+                                    (ScheduleInterleavedZeroBubble, "loop")] if FULL else []:
+            self._check(schedule_cls, style, seq_len=7)
 
 
 if __name__ == "__main__":

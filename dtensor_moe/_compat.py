@@ -277,6 +277,26 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def in_pipeline_stage_forward() -> bool:
+    """Whether a ``torch.distributed.pipelining`` stage is running its module's forward.
+
+    torch 2.13 keeps no state for it: a stage runs its module from
+    ``_PipelineStageBase.forward_one_chunk``, so this looks for that method's frame on the
+    Python stack. ``False`` at once when ``torch.distributed.pipelining.stage`` was never
+    imported. Eager only (a frame walk); callers skip it under ``torch.compile``.
+    """
+    stage = sys.modules.get("torch.distributed.pipelining.stage")
+    if stage is None:
+        return False
+    code = stage._PipelineStageBase.forward_one_chunk.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def splits_tensor(placement) -> bool:
     """Whether ``placement`` splits the tensor across its mesh dim: ``Shard`` or ``_StridedShard``.
 

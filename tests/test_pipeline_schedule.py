@@ -44,7 +44,7 @@ from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
 from dtensor_moe import MoE, MoEMeshes, build_moe_meshes, collect_aux_losses
-from dtensor_moe.moe import load_stats
+from dtensor_moe.moe import load_stats, set_router_loss_scale
 from dtensor_moe.moe.config import AuxLossType
 from dtensor_moe.parallel import fully_shard_moe, parallelize_moe
 from tests._dist import DistTestBase
@@ -120,6 +120,8 @@ class Pipeline:
     modules: list[nn.Module]
     schedule: object
     ref: PipeLM
+    loss_factor: float = 1.0  # the schedule's loss_fn: this times the loss
+    scaler_init: float | None = None
 
     def step(self, local: torch.Tensor, losses: list[torch.Tensor]) -> None:
         """One schedule step on this pipeline's rows of the global batch."""
@@ -153,20 +155,25 @@ def build_pipeline(
     aux: AuxLossType | None = None,
     tp: int = 1,
     scaler: torch.amp.GradScaler | None = None,
+    divide: bool = False,
+    mode: str = "attach",
     config: dict | None = None,
 ) -> Pipeline:
     """``aux``: the balance loss (with a z-loss) on the attach route, whose gradient the
     schedule's ``scale_grads`` averages over micro-batches; the reference collects it.
     ``tp=2``: each stage's 2 ranks run Megatron-style TP of the blocks' MLP (no SP) and EP
     borrows them, one pipeline in all. ``scaler``: the schedule's loss is scaled by it.
-    ``config``: more ``MoEConfig`` fields."""
+    ``divide``: the ``loss_fn`` divides by the number of micro-batches and the schedule runs
+    with ``scale_grads=False``. The attached router losses get the same factor on every stage
+    (``set_router_loss_scale``). ``mode``: the stages' ``aux_loss_mode``. ``config``: more
+    ``MoEConfig`` fields."""
     meshes = build_moe_meshes(pp=2, dp=2 // tp, ep=2, tp=tp, device_type="cpu")
     indices = stages_of(meshes.pp_rank, meshes.pp, style)
     num_stages = meshes.pp * len(indices)
     losses_config = dict(config or {})
     if aux is not None:
         losses_config.update(aux_loss_coeff=0.1, aux_loss_type=aux, z_loss_coeff=0.01)
-    full = PipeLM(**losses_config, aux_loss_mode="attach")
+    full = PipeLM(**losses_config, aux_loss_mode=mode)
     ref = PipeLM(**losses_config, aux_loss_mode="collect")
     meta = dict(device="meta")
     hidden = torch.empty(b, L, DIM, **meta, requires_grad=True)  # crosses stages with grad
@@ -191,90 +198,112 @@ def build_pipeline(
             groups = {id(m.router.aux_loss_group) for m in module.modules() if isinstance(m, MoE)}
             test.assertEqual(groups, {id(meshes.stage_group)})
         modules.append(module)
-    stage_loss = loss_fn if scaler is None else lambda y, t: scaler.scale(loss_fn(y, t))
-    schedule = (schedule_cls(stages[0], N_MICRO, loss_fn=stage_loss) if style == "single"
-                else schedule_cls(stages, N_MICRO, loss_fn=stage_loss))
+    scaler_init = None if scaler is None else scaler.get_scale()
+    factor = (1.0 if scaler is None else scaler_init) / (N_MICRO if divide else 1)
+    if factor != 1.0:  # every stage, those without the loss too
+        set_router_loss_scale(modules, factor)
+
+    def stage_loss(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(logits_BLV, targets_BL) / (N_MICRO if divide else 1)
+        return loss if scaler is None else scaler.scale(loss)
+
+    kwargs = dict(loss_fn=stage_loss, scale_grads=not divide)
+    schedule = schedule_cls(stages[0] if style == "single" else stages, N_MICRO, **kwargs)
     return Pipeline(meshes=meshes, indices=indices, num_stages=num_stages, modules=modules,
-                    schedule=schedule, ref=ref)
+                    schedule=schedule, ref=ref, loss_factor=factor, scaler_init=scaler_init)
+
+
+def sync_grads(pipe: Pipeline, *, fsdp: bool) -> None:
+    """What a training loop does before the optimizer step: the mean over the pipelines (the
+    stage's dp ranks). FSDP2 reduce-scatters it already; otherwise each dense grad is summed
+    over dp, a DTensor grad (routed experts: Shard(0) on ep, every token of the stage reached
+    them; TP-sharded weights: a Partial grad is summed over tp) is brought to its param's
+    placements, and each is divided by dp."""
+    if fsdp:
+        return
+    dp_group = pipe.meshes.dense.get_group("dp")
+    for module in pipe.modules:
+        for param in module.parameters():
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                grad = grad.redistribute(placements=param.placements)
+            else:
+                dist.all_reduce(grad, group=dp_group)
+            param.grad = grad / pipe.meshes.dp
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def check_training(
+    test: DistTestBase, schedule_cls, style: str, *, steps: int = 3, **options
+) -> None:
+    """``steps`` steps of one fused AdamW over every param of a rank's stage modules (every
+    mesh): each step's losses and every param gradient, the counters of every router after
+    the last step, and every param after it, against one process's plain AdamW on the same
+    micro-batches. ``options``: of :func:`build_pipeline`; with a ``scaler``, the
+    optimizer steps through it and the grads are compared unscaled. AdamW's eps is near the
+    grads' size, so that its step depends on their scale (an unscaled, twice-scaled or
+    missing gradient part shows), which it otherwise all but cancels."""
+    pipe = build_pipeline(test, schedule_cls, style, **options)
+    meshes, modules, ref = pipe.meshes, pipe.modules, pipe.ref
+    fsdp, tp, scaler = options.get("fsdp", False), options.get("tp", 1), options.get("scaler")
+    if scaler is not None:
+        scaler.scale(torch.zeros(()))  # the stages without the loss need the scale too
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2,
+                            eps=1e-3, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
+
+    T = tokens(meshes.dp)
+    d = meshes.dense.get_local_rank("dp")
+    what = schedule_cls.__name__
+    has_last = pipe.num_stages - 1 in pipe.indices
+    names = {n for m in modules for n, _ in m.named_parameters()}
+    test.assertTrue(any(".moe.experts." in n for n in names), names)
+    if not fsdp:  # (FSDP2 makes every param a DTensor)
+        sharded = {n for m in modules for n, p in m.named_parameters()
+                   if isinstance(p, DTensor)}
+        test.assertEqual(tp > 1, any(n.endswith(".up.weight") for n in sharded), sharded)
+    for step in range(steps):
+        losses: list[torch.Tensor] = []
+        pipe.step(T[d * N_MICRO * b : (d + 1) * N_MICRO * b], losses)
+        ref_losses = reference_step(ref, T, meshes.dp)
+        sync_grads(pipe, fsdp=fsdp)
+        at = f"{what} step {step}"
+        if has_last:  # the schedule's losses are those of its loss_fn
+            got = torch.stack(losses).detach() / pipe.loss_factor
+            dist.all_reduce(got, group=meshes.dense.get_group("dp"))
+            close(got / meshes.dp, torch.stack(ref_losses), f"{at} losses")
+        ref_params = dict(ref.named_parameters())
+        grad_factor = 1.0 if scaler is None else scaler.get_scale()
+        for module in modules:
+            for name, param in module.named_parameters():
+                test.assertIsNotNone(param.grad, f"{at} {name}")
+                close(full(param.grad) / grad_factor, ref_params[name].grad, f"{at} {name}")
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    if scaler is not None:
+        test.assertEqual(scaler.get_scale(), pipe.scaler_init)  # no step skipped
+    ref_params = dict(ref.named_parameters())
+    for module in modules:
+        for name, param in module.named_parameters():
+            close(full(param).detach(), ref_params[name].detach(), f"{what} after: {name}")
+    # every token routed as in one process: the counters of every router agree
+    stats = sorted(load_stats(modules, meshes=meshes), key=lambda layer: layer.name)
+    test.assertEqual(stats, load_stats(ref, process_group="local"), what)
+    test.assertEqual([s.name for s in stats], [f"layers.{i}.moe" for i in range(NUM_LAYERS)])
 
 
 class PipelineScheduleTest(DistTestBase):
     def _check(self, schedule_cls, style: str, **options) -> None:
-        """Losses, every grad and the counters after one step; ``options``: of
-        :func:`build_pipeline`."""
-        pipe = build_pipeline(self, schedule_cls, style, **options)
-        meshes, modules, ref = pipe.meshes, pipe.modules, pipe.ref
-        fsdp, tp = options.get("fsdp", False), options.get("tp", 1)
-
-        T = tokens(meshes.dp)
-        d = meshes.dense.get_local_rank("dp")
-        losses: list[torch.Tensor] = []
-        pipe.step(T[d * N_MICRO * b : (d + 1) * N_MICRO * b], losses)
-        ref_losses = reference_step(ref, T, meshes.dp)
-
-        what = schedule_cls.__name__
-        has_last = pipe.num_stages - 1 in pipe.indices
-        dp_group = meshes.dense.get_group("dp")
-        if has_last:
-            got = torch.stack(losses).detach()
-            dist.all_reduce(got, group=dp_group)
-            close(got / meshes.dp, torch.stack(ref_losses), f"{what} losses")
-        ref_params = dict(ref.named_parameters())
-        checked = []
-        for module in modules:
-            for name, param in module.named_parameters():
-                grad = param.grad
-                self.assertIsNotNone(grad, f"{what} {name}")
-                if fsdp:  # FSDP2 reduce-scatters the mean over the stage's dp ranks
-                    close(grad.full_tensor(), ref_params[name].grad, f"{what} {name}")
-                    checked.append(name)
-                    continue
-                if isinstance(grad, DTensor):
-                    # routed experts (Shard(0) on ep: every token of the stage reached them) and
-                    # the TP-sharded weights (a Partial grad is summed over tp)
-                    grad = grad.redistribute(placements=param.placements).full_tensor()
-                else:
-                    grad = grad.clone()
-                    dist.all_reduce(grad, group=dp_group)
-                close(grad / meshes.dp, ref_params[name].grad, f"{what} {name}")
-                checked.append(name)
-        self.assertEqual(len(checked), len({n for m in modules for n, _ in m.named_parameters()}))
-        self.assertTrue(any(".moe.experts." in n for n in checked), checked)
-        if not fsdp:  # (FSDP2 makes every param a DTensor)
-            sharded = {n for m in modules for n, p in m.named_parameters()
-                       if isinstance(p, DTensor)}
-            self.assertEqual(tp > 1, any(n.endswith(".up.weight") for n in sharded), sharded)
-        # every token routed as in one process: the counters of every router agree
-        stats = sorted(load_stats(modules, meshes=meshes), key=lambda layer: layer.name)
-        self.assertEqual(stats, load_stats(ref, process_group="local"), what)
-        self.assertEqual([s.name for s in stats], [f"layers.{i}.moe" for i in range(NUM_LAYERS)])
-
-    def _check_training(self, schedule_cls, style: str) -> None:
-        """3 steps of one fused AdamW over every stage module and mesh, with a GradScaler and
-        FSDP2 + EP in each stage: the params match one process's plain AdamW."""
-        scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
-        pipe = build_pipeline(self, schedule_cls, style, fsdp=True, scaler=scaler)
-        scaler.scale(torch.zeros(()))  # the stages without the loss need the scale too
-        # eps near the grads' size: Adam's step then depends on their scale (an unscaled or
-        # twice-scaled grad shows), which it otherwise all but cancels
-        opt = torch.optim.AdamW([p for m in pipe.modules for p in m.parameters()], lr=1e-2,
-                                eps=1e-3, fused=True)
-        ref_opt = torch.optim.AdamW(pipe.ref.parameters(), lr=1e-2, eps=1e-3)
-        T = tokens(pipe.meshes.dp)
-        d = pipe.meshes.dense.get_local_rank("dp")
-        for _ in range(3):
-            pipe.step(T[d * N_MICRO * b : (d + 1) * N_MICRO * b], [])
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            reference_step(pipe.ref, T, pipe.meshes.dp)
-            ref_opt.step()
-            ref_opt.zero_grad()
-        self.assertEqual(scaler.get_scale(), 16.0)  # no step skipped
-        ref_params = dict(pipe.ref.named_parameters())
-        for module in pipe.modules:
-            for name, param in module.named_parameters():
-                close(param.full_tensor(), ref_params[name].detach(), name)
+        check_training(self, schedule_cls, style, **options)
 
     @with_comms
     def test_gpipe(self):
@@ -308,8 +337,9 @@ class PipelineScheduleTest(DistTestBase):
         self._check(ScheduleZBVZeroBubble, "v", fsdp=True)
 
     @with_comms
-    def test_1f1b_fsdp_fused_adamw_grad_scaler_3_steps(self):
-        self._check_training(Schedule1F1B, "single")
+    def test_1f1b_fsdp_grad_scaler(self):
+        self._check(Schedule1F1B, "single", fsdp=True,
+                    scaler=torch.amp.GradScaler("cpu", init_scale=16.0))
 
     @with_comms
     def test_zero_bubble_v_tp(self):

@@ -34,6 +34,7 @@ from dtensor_moe.moe.router import (
     aux_loss_from_sums,
     sequence_aux_loss,
     sequence_sums,
+    set_router_loss_scale,
 )
 from dtensor_moe.moe.stats import LayerLoad, load_stats
 
@@ -64,6 +65,7 @@ __all__ = [
     "sequence_aux_loss",
     "sequence_sums",
     "set_aux_loss_group",
+    "set_router_loss_scale",
     "sort_by_expert",
     "unpermute_and_reduce",
     "update_expert_bias",

@@ -20,22 +20,41 @@ without one.
   ``aux_loss_mode="collect"`` (the default), a training forward whose loss needs a gradient and
   that finds no collector raises ``ValueError``.
 * **Attach** (``aux_loss_mode="attach"``, automatic). ``y`` goes
-  through :class:`AuxLossBackward`, an identity whose backward hands ``1`` to the loss. Every
-  backward pass through ``y`` adds ``d(aux)/d(router)`` with weight 1, whatever was done to the
-  loss: it equals adding ``aux`` to the loss only for one ``L.backward()`` of an unscaled ``L``.
-  No automatic rule can do better: ``dL/dy`` is all that reaches ``y``, and it does not say by
-  what factor the root of the backward differs from "the loss".
+  through :class:`AuxLossBackward`, an identity whose backward hands the router's
+  ``aux_loss_scale`` (1 unless :func:`~dtensor_moe.moe.router.set_router_loss_scale` says
+  otherwise) to the loss. Every backward pass through ``y`` adds ``d(aux)/d(router)`` with that
+  weight, whatever was done to the loss: it equals adding ``aux`` to the loss for one
+  ``(scale * L).backward()``. No automatic rule can do better: ``dL/dy`` is all that reaches
+  ``y``, and it does not say by what factor the root of the backward differs from "the loss";
+  the scale is configuration (Note [Attached router losses under loss scaling] in
+  ``router.py``). This is the route under pipeline schedules, which compute the loss on the
+  last stage only (Note [Router losses under pipeline schedules]).
 
 A forward inside a backward pass (an activation-checkpoint recompute) never collects: its value
 was collected by the original forward. Under non-reentrant checkpointing the recomputed graph is
 discarded, so what it does is moot; under reentrant checkpointing the original forward ran without
 grad (nothing to collect) and the recompute's output is what backward flows through, so the loss
-is attached there (weight 1, as in attach mode). Under ``torch.compile`` the collector stack is
+is attached there (with the router's ``aux_loss_scale``, as in attach mode). Under ``torch.compile`` the collector stack is
 read and appended to in the traced graph (a guard on whether a collector is active, no graph
 break); the recompute check runs eagerly, so a compiled region that is recomputed *inside* an
 open collector (``checkpoint(torch.compile(f))`` with backward inside the ``with`` block) would
 collect its loss a second time: run backward after the block. The value is also kept, detached,
 in ``router.last_aux_loss`` for logging.
+
+Note [Router losses under pipeline schedules]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ``torch.distributed.pipelining`` schedule computes the loss with its ``loss_fn`` on the last
+stage and runs every backward itself, so no collected loss can be added to it: a collector
+open around ``schedule.step()`` would take every stage's router losses and nothing would ever
+use them. Both ways of losing them are errors, raised in the stage's first MoE forward (after
+the router's own forward collectives, on every rank of the stage alike, before the stage sends
+anything): a collect-mode forward without a collector, and a forward inside a stage whose loss
+goes to a collector opened outside the stage's forward. A collector opened inside the stage's
+forward (by the stage module itself) is the user's to add, and is allowed. The attach route
+works under every schedule, with :func:`~dtensor_moe.moe.router.set_router_loss_scale` for a
+scaled loss. Whether a stage is running is read from the Python stack
+(:func:`dtensor_moe._compat.in_pipeline_stage_forward`); only in eager mode, and only when a
+collector takes a loss or none is there to take it.
 
 Note [Counters under pipeline parallelism]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -119,10 +138,12 @@ class AuxLosses:
     loss].
     """
 
-    __slots__ = ("_losses",)
+    __slots__ = ("_in_stage", "_losses")
 
     def __init__(self) -> None:
         self._losses: list[torch.Tensor] = []
+        # opened inside a pipeline stage's forward (Note [Router losses under pipeline schedules])
+        self._in_stage = False
 
     def add(self, loss: torch.Tensor) -> None:
         """Take one auxiliary loss (0-dim; what the MoE layers call)."""
@@ -166,6 +187,8 @@ def collect_aux_losses() -> Iterator[AuxLosses]:
     Note [Auxiliary loss follows the loss].
     """
     collector = AuxLosses()
+    if not torch.compiler.is_compiling():
+        collector._in_stage = _compat.in_pipeline_stage_forward()
     _COLLECTORS.append(collector)
     try:
         yield collector
@@ -174,20 +197,31 @@ def collect_aux_losses() -> Iterator[AuxLosses]:
 
 
 class AuxLossBackward(torch.autograd.Function):
-    """``forward(y, aux_loss) -> y``; backward gives ``y`` its gradient and ``aux_loss`` 1.
+    """``forward(y, aux_loss, scale=1.0) -> y``; backward gives ``y`` its gradient and
+    ``aux_loss`` the weight ``scale``.
 
-    The ``"attach"`` route of Note [Auxiliary loss follows the loss]: weight 1 per backward pass
-    through ``y``, whatever was done to the loss.
+    The ``"attach"`` route of Note [Auxiliary loss follows the loss]: weight ``scale`` per
+    backward pass through ``y``, whatever was done to the loss. ``scale``: a float, or a 0-dim
+    tensor whose value is read when the backward runs (Note [Attached router losses under loss
+    scaling] in ``router.py``).
     """
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, y: torch.Tensor, aux_loss: torch.Tensor, scale: float | torch.Tensor = 1.0
+    ) -> torch.Tensor:
         ctx.aux_dtype, ctx.aux_device = aux_loss.dtype, aux_loss.device
+        ctx.scale = scale  # not saved for backward: a tensor's value at backward time counts
         return y.view_as(y)
 
     @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad_y, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        kwargs = dict(dtype=ctx.aux_dtype, device=ctx.aux_device)
+        if isinstance(ctx.scale, torch.Tensor):
+            weight = ctx.scale.detach().to(**kwargs, copy=True)  # never the caller's tensor
+        else:
+            weight = torch.full((), ctx.scale, **kwargs)
+        return grad_y, weight, None
 
 
 _NO_COLLECTOR = (
@@ -195,15 +229,39 @@ _NO_COLLECTOR = (
     "outside collect_aux_losses(), so its auxiliary loss would be lost. Run the forward inside "
     "`with dtensor_moe.collect_aux_losses() as aux:` and add aux.total() to the "
     "loss; or build the layer with MoEConfig(aux_loss_mode='attach') for the automatic route, "
-    "whose gradient ignores loss scaling (see docs/moe.md, 'Auxiliary loss')"
+    "and give it the factor of a scaled loss with dtensor_moe.moe.set_router_loss_scale (see "
+    "docs/moe.md, 'Auxiliary loss')"
+)
+
+_PIPELINE_ADVICE = (
+    "A pipeline schedule computes the loss on the last stage and runs backward itself, so no "
+    "collected loss can be added to it. Build the MoE layers with "
+    "MoEConfig(aux_loss_mode='attach'), and when the schedule's loss is scaled (a GradScaler, "
+    "a loss_fn that divides by the number of micro-batches with scale_grads=False) call "
+    "dtensor_moe.moe.set_router_loss_scale(stage_module, factor) on every stage (see "
+    "docs/pipeline.md)"
+)
+_STAGE_NO_COLLECTOR = (
+    "an MoE layer with aux_loss_mode='collect' and a router loss (aux_loss_coeff > 0 or "
+    "z_loss_coeff > 0) ran in a torch.distributed.pipelining stage, where nothing collects its "
+    "loss. " + _PIPELINE_ADVICE
+)
+_STAGE_OUTER_COLLECTOR = (
+    "an MoE layer with a router loss (aux_loss_coeff > 0 or z_loss_coeff > 0) ran in a "
+    "torch.distributed.pipelining stage inside a collect_aux_losses() block opened outside the "
+    "stage (around schedule.step()), so its loss would be collected and never used. "
+    + _PIPELINE_ADVICE
 )
 
 
-def _attach_in_recompute(y: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+def _attach_in_recompute(
+    y: torch.Tensor, aux_loss: torch.Tensor, scale: float | torch.Tensor
+) -> torch.Tensor:
     """Collect mode without a collector: attach during a recompute, raise otherwise."""
     if not _compat.in_backward_pass():
-        raise ValueError(_NO_COLLECTOR)
-    return AuxLossBackward.apply(y, aux_loss)
+        in_stage = _compat.in_pipeline_stage_forward()
+        raise ValueError(_STAGE_NO_COLLECTOR if in_stage else _NO_COLLECTOR)
+    return AuxLossBackward.apply(y, aux_loss, scale)
 
 
 _attach_in_recompute = torch.compiler.disable(
@@ -213,25 +271,39 @@ _attach_in_recompute = torch.compiler.disable(
 
 
 def attach_aux_loss(
-    y: torch.Tensor, aux_loss: torch.Tensor, *, mode: AuxLossMode = "attach"
+    y: torch.Tensor,
+    aux_loss: torch.Tensor,
+    *,
+    mode: AuxLossMode = "attach",
+    scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Route ``aux_loss`` (Note [Auxiliary loss follows the loss]); returns ``y``'s value.
 
     An active :func:`collect_aux_losses` takes the loss (``y`` comes back unchanged). Without
-    one, ``mode="attach"`` returns ``y`` through :class:`AuxLossBackward` and ``mode="collect"``
-    raises ``ValueError`` (but attaches inside a backward pass: a checkpoint recompute). A loss
-    without grad (a forward under ``torch.no_grad``) goes nowhere.
+    one, ``mode="attach"`` returns ``y`` through :class:`AuxLossBackward`, whose backward gives
+    the loss the weight ``scale`` (the layer passes its router's ``aux_loss_scale``), and
+    ``mode="collect"`` raises ``ValueError`` (but attaches inside a backward pass: a checkpoint
+    recompute). A loss without grad (a forward under ``torch.no_grad``) goes nowhere. Inside a
+    pipeline stage's forward, a collector opened outside the stage raises ``ValueError`` (Note
+    [Router losses under pipeline schedules]).
     """
     if mode not in ("collect", "attach"):
         raise ValueError(f"attach_aux_loss: mode={mode!r} is not 'collect' or 'attach'")
     if not aux_loss.requires_grad:
         return y
     if _COLLECTORS and (torch.compiler.is_compiling() or not _compat.in_backward_pass()):
-        _COLLECTORS[-1].add(aux_loss)
+        collector = _COLLECTORS[-1]
+        if (
+            not torch.compiler.is_compiling()
+            and not collector._in_stage
+            and _compat.in_pipeline_stage_forward()
+        ):
+            raise ValueError(_STAGE_OUTER_COLLECTOR)
+        collector.add(aux_loss)
         return y
     if mode == "collect":
-        return _attach_in_recompute(y, aux_loss)
-    return AuxLossBackward.apply(y, aux_loss)
+        return _attach_in_recompute(y, aux_loss, scale)
+    return AuxLossBackward.apply(y, aux_loss, scale)
 
 
 def _biased_routers(module: nn.Module, *, stage_may_lack: bool) -> list[TokenChoiceTopKRouter]:

@@ -194,7 +194,12 @@ class MoE(nn.Module):
         if shared_TD is not None:
             y_TD = y_TD + shared_TD
         if routing.aux_loss is not None:
-            y_TD = attach_aux_loss(y_TD, routing.aux_loss, mode=self.config.aux_loss_mode)
+            y_TD = attach_aux_loss(
+                y_TD,
+                routing.aux_loss,
+                mode=self.config.aux_loss_mode,
+                scale=self.router.aux_loss_scale,
+            )
         y = tokens.output(y_TD)
         if count is not None:  # last, and from this frame: Note [MoE under torch.compile]
             count_unless_recompute(*count)

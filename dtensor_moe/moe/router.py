@@ -13,7 +13,9 @@ Shape legend:
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,7 @@ __all__ = [
     "expert_counts",
     "sequence_aux_loss",
     "sequence_sums",
+    "set_router_loss_scale",
 ]
 
 # aux_loss_from_sums and sequence_sums live in losses.py (Note [Router loss shares]); they stay
@@ -349,6 +352,9 @@ class TokenChoiceTopKRouter(nn.Module):
             statistics (``None``: this rank's batch, or its tp group's under token
             parallelism). Configuration, set by
             :func:`~dtensor_moe.moe.balance.set_aux_loss_group`.
+        aux_loss_scale: the weight that an attached router loss receives in backward (a float,
+            or a 0-dim tensor read at each backward; 1.0 as built). Configuration, set by
+            :func:`set_router_loss_scale` (Note [Attached router losses under loss scaling]).
 
     No collective runs in forward or backward, except the one forward ``all_reduce`` of a
     ``"global_batch"`` balance loss with an ``aux_loss_group``.
@@ -376,6 +382,7 @@ class TokenChoiceTopKRouter(nn.Module):
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.aux_loss_group: object | None = None
+        self.aux_loss_scale: float | torch.Tensor = 1.0
         # training forwards counted since the last update_expert_bias (Note [Expert bias
         # needs its update]); a host int, like the counters' window, not state to save
         self.forwards_since_bias_update = 0
@@ -590,6 +597,79 @@ class TokenChoiceTopKRouter(nn.Module):
             )
             + (", force_balanced_routing=True" if cfg.force_balanced_routing else "")
         )
+
+
+# Note [Attached router losses under loss scaling]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On the attach route (``aux_loss_mode="attach"``, or a collect-mode loss attached by a
+# reentrant checkpoint's recompute) nothing tells the layer what was done to the loss: backward
+# hands ``y`` only ``dL/dy`` (Note [Auxiliary loss follows the loss] in ``balance.py``). So the
+# factor between the tensor that backward starts from and "the loss" is configuration, on each
+# router: ``aux_loss_scale``, the weight that :class:`~dtensor_moe.moe.balance.AuxLossBackward`
+# hands the router losses instead of 1. Backward through ``y`` then adds
+# ``scale * d(aux)/d(router)``, which is "aux added to the loss" when the backward starts from
+# ``scale * loss``:
+#
+# * ``scaler.scale(loss)`` (``GradScaler``): ``scale = scaler.get_scale()``, set before each
+#   step (the scale changes only in ``scaler.update()``), or the scale as a 0-dim tensor;
+# * ``loss / n`` (gradient accumulation, or a pipeline schedule's ``loss_fn`` that divides with
+#   ``scale_grads=False``): ``1 / n``; both: their product;
+# * a pipeline schedule with ``scale_grads=True`` divides every gradient by the number of
+#   micro-batches after the backward, the router losses' included: nothing to set for it.
+#
+# Under pipeline parallelism only the last stage computes the loss; the other stages receive
+# ``dL/dy`` from the next stage, already scaled. Every stage's routers take the same scale, so
+# each stage's router losses get the single-process weight. A tensor scale is read when the
+# backward runs (its value then, not at the forward); under ``torch.compile`` a float scale is
+# a constant of the graph (a new value recompiles), a tensor is an input. No collective.
+
+
+def set_router_loss_scale(
+    modules: nn.Module | Iterable[nn.Module], scale: float | torch.Tensor
+) -> None:
+    """Weight the attached router losses' gradient by ``scale`` in every MoE router of
+    ``modules`` (Note [Attached router losses under loss scaling]).
+
+    On the attach route each backward through a layer's output adds ``scale`` times the router
+    losses' gradient (1 as built). Set it to the factor by which the tensor that backward starts
+    from differs from the loss: ``scaler.get_scale()`` under ``GradScaler``, ``1 / n`` for a
+    loss divided by ``n``, their product for both. Under pipeline parallelism set it on every
+    stage module of every rank, stages that never see the loss included; a schedule's
+    ``scale_grads=True`` needs nothing. A collected loss (inside ``collect_aux_losses()``) is
+    part of your loss and ignores it.
+
+    Args:
+        modules: a module, or several (the stage modules of a rank); a module without MoE
+            routers (a dense pipeline stage) is left as it is.
+        scale: a finite float ``>= 0``, or a 0-dim floating tensor whose value is read at each
+            backward (set it once and update it in place, or pass a new one each step).
+
+    Raises:
+        TypeError: ``scale`` is neither a real number nor a 0-dim floating tensor.
+        ValueError: a float ``scale`` that is negative, ``nan`` or infinite.
+    """
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0 or not scale.is_floating_point():
+            raise TypeError(
+                f"set_router_loss_scale: a tensor scale must be 0-dim and floating, got shape "
+                f"{tuple(scale.shape)} and dtype {scale.dtype}"
+            )
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        if not math.isfinite(scale) or scale < 0:
+            raise ValueError(
+                f"set_router_loss_scale: scale={scale} must be finite and >= 0 (for a "
+                "GradScaler: scaler.get_scale(); for a loss divided by n: 1 / n)"
+            )
+        scale = float(scale)
+    else:
+        raise TypeError(
+            f"set_router_loss_scale: scale must be a float or a 0-dim tensor, got "
+            f"{type(scale).__name__}"
+        )
+    for module in [modules] if isinstance(modules, nn.Module) else modules:
+        for router in module.modules():
+            if isinstance(router, TokenChoiceTopKRouter):
+                router.aux_loss_scale = scale
 
 
 def _capacity_repr(cfg: MoEConfig) -> str:

@@ -3,9 +3,9 @@
 Two steps run at pp2 x dp2 with EP2 and FSDP2 in each stage under ``Schedule1F1B``, with one
 AdamW per rank and the expert bias updated per stage; every rank saves its stage's model and
 optimizer state (the stage modules keep the model's names, so the checkpoint is the whole
-model's). Then the checkpoint is loaded at pp1 x dp4 with EP2 on the same 4 ranks, and into one
-plain process, and a third step runs; that state is saved at pp1 and loaded into fresh
-pipeline stages for a fourth step. Params, Adam step counts and expert biases must continue the
+model's). Then the checkpoint is loaded at pp1 x dp4 on the same 4 ranks with EP4, without EP
+and with EP2, and into one plain process, and a third step runs in each; the EP2 state is saved
+at pp1 and loaded into fresh pipeline stages for a fourth step. Params, Adam step counts and expert biases must continue the
 single-process run (1e-5 relative, fp32).
 
 Shape legend: b sequences per micro-batch and dp rank, L tokens per sequence.
@@ -89,6 +89,28 @@ class PipelineCheckpointTest(DistTestBase):
             torch.testing.assert_close(bias, ref_buffers[name], rtol=0, atol=0,
                                        msg=lambda m, n=name: f"{what} {n}: {m}")
 
+    def _resume_at_pp1(self, path: str, ep: int, refs: dict) -> tuple:
+        """Load the checkpoint at pp1 x dp4 with EP ``ep`` (FSDP2 on the rest), check it, and
+        run a third step on a quarter of the batch per rank; returns the model and optimizer."""
+        meshes = build_moe_meshes(dp=4, ep=ep, device_type="cpu")
+        model = PipeLM(**CONFIG, aux_loss_mode="attach")
+        torch.nn.init.zeros_(model.head.weight)  # the checkpoint must overwrite it
+        parallelize_moe(model, meshes, sequence_parallel=False)
+        fully_shard_moe(model, meshes, blocks=list(model.layers.values()))
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        state = _state(model, opt)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+        what = f"pp2 -> pp1 ep{ep}"
+        self._check(model, refs[2], f"{what}, loaded")
+        self.assertEqual({s["step"].item() for s in opt.state.values()}, {2.0})
+        quarter = 2 * N_MICRO * b // 4
+        _full_step(model, opt, torch.arange(self.rank * quarter, (self.rank + 1) * quarter),
+                   meshes)
+        self._check(model, refs[3], f"{what}, step 3")
+        return model, opt
+
     @with_comms
     def test_save_at_pp2_resume_at_pp1_and_in_one_process(self):
         path = [tempfile.mkdtemp(prefix="dtensor_moe_pp_ckpt_") if self.rank == 0 else None]
@@ -106,24 +128,11 @@ class PipelineCheckpointTest(DistTestBase):
                 update_expert_bias(stage, BIAS_RATE, meshes=pipe.meshes)
             dcp.save(_state(stage, opt), checkpoint_id=path)
 
-            # pp1 x dp4 with EP2 on the same ranks: each rank takes a quarter of the batch
-            meshes = build_moe_meshes(dp=4, ep=2, device_type="cpu")
-            model = PipeLM(**CONFIG, aux_loss_mode="attach")
-            torch.nn.init.zeros_(model.head.weight)  # the checkpoint must overwrite it
-            parallelize_moe(model, meshes, sequence_parallel=False)
-            fully_shard_moe(model, meshes, blocks=list(model.layers.values()))
-            opt = torch.optim.AdamW(model.parameters(), lr=LR)
-            state = _state(model, opt)
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(model, state["model"])
-            set_optimizer_state_dict(model, opt, state["optim"])
-            self._check(model, _reference(2), "pp2 -> pp1, loaded")
-            self.assertEqual({s["step"].item() for s in opt.state.values()}, {2.0})
-            quarter = 2 * N_MICRO * b // 4
-            _full_step(model, opt, torch.arange(self.rank * quarter, (self.rank + 1) * quarter),
-                       meshes)
-            self._check(model, _reference(3), "pp2 -> pp1, step 3")
-
+            # pp1 x dp4 on the same ranks, each rank a quarter of the batch, with EP2 (kept for
+            # the way back), EP4 and no EP
+            refs = {steps: _reference(steps) for steps in (2, 3)}
+            for ep in (4, 1, 2):
+                model, opt = self._resume_at_pp1(path, ep, refs)
             if self.rank == 0:  # the same checkpoint in one plain process
                 plain = PipeLM(**CONFIG, aux_loss_mode="attach")
                 plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR)
@@ -132,7 +141,7 @@ class PipelineCheckpointTest(DistTestBase):
                 set_model_state_dict(plain, state["model"])
                 set_optimizer_state_dict(plain, plain_opt, state["optim"])
                 _full_step(plain, plain_opt, torch.arange(2 * N_MICRO * b))
-                self._check(plain, _reference(3), "pp2 -> one process, step 3")
+                self._check(plain, refs[3], "pp2 -> one process, step 3")
             dist.barrier()
 
             # and back: the pp1 checkpoint into fresh pipeline stages, then a fourth step there

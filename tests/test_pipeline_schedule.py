@@ -9,12 +9,15 @@ stages' modules deleted, so its names are the model's. ``ScheduleGPipe`` and ``S
 per rank, looped or V-shaped; the zero-bubble ones split each backward into input and weight
 gradients). Two pipelines (dp ranks 0 and 1 of each stage) run the schedule on their halves of
 every micro-batch; the experts of a stage exchange tokens across the two pipelines (EP over the
-stage's dp ranks). Losses and every param gradient must match the single-process run within
-1e-5 relative (fp32), and so must the counters of every router. With router losses the
-reference adds each micro-batch's collected losses to its loss before dividing by the number of
-micro-batches; the pipeline runs them on the attach route (a schedule computes the loss on the
-last stage only, so a collector on another stage has no loss to add to), and the
-``"global_batch"`` statistics are summed over the stage's ranks for each micro-batch.
+stage's dp ranks). Each test runs 3 steps of one fused AdamW over every stage module and mesh:
+the losses and every param gradient of each step, the params after the last step and the
+counters of every router must match the single-process run (plain AdamW) within 1e-5 relative
+(fp32). With router losses the reference adds each micro-batch's collected losses to its loss
+before dividing by the number of micro-batches; the pipeline runs them on the attach route (a
+schedule computes the loss on the last stage only, so a collector on another stage has no loss
+to add to), with the factor of a scaled loss given by ``set_router_loss_scale``
+(``tests/test_pipeline_router_losses.py``), and the ``"global_batch"`` statistics are summed
+over the stage's ranks for each micro-batch.
 
 Shape legend: b sequences per micro-batch and dp rank, L tokens per sequence, D dim, V vocab.
 """

@@ -8,8 +8,9 @@ the loss (``tests/test_aux_loss.py``'s helpers). 4 gloo ranks, pp2 x dp2 with EP
 (``tests/test_pipeline_schedule.py``'s model and reference): 3 steps of a fused AdamW with the
 sequence-level balance loss and the z-loss under ``Schedule1F1B`` with a ``GradScaler``, the
 global-batch balance loss under ``ScheduleZBVZeroBubble`` with a ``loss_fn`` that divides by the
-number of micro-batches (``scale_grads=False``), and both factors at once under
-``ScheduleInterleaved1F1B``: losses, every param gradient, the params after 3 steps and the
+number of micro-batches (``scale_grads=False``), both factors at once under
+``ScheduleInterleaved1F1B``, the global-batch loss with a ``GradScaler`` under ``ScheduleGPipe``
+and the sequence loss with a dividing ``loss_fn`` under ``ScheduleDualPipeV``: losses, every param gradient, the params after 3 steps and the
 routers' counters equal one process's (1e-5 relative, fp32). And the collect route under a
 schedule: an error, never a lost loss.
 
@@ -28,6 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import (
     Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
@@ -154,6 +157,14 @@ class PipelineRouterLossTest(DistTestBase):
     def test_interleaved_1f1b_grad_scaler_and_loss_divided(self):
         check_training(self, ScheduleInterleaved1F1B, "loop", aux="sequence", scaler=_scaler(),
                        divide=True)
+
+    @with_comms
+    def test_gpipe_global_batch_aux_loss_grad_scaler(self):
+        check_training(self, ScheduleGPipe, "single", aux="global_batch", scaler=_scaler())
+
+    @with_comms
+    def test_dualpipe_v_sequence_aux_loss_loss_divided(self):
+        check_training(self, ScheduleDualPipeV, "v", aux="sequence", divide=True)
 
     @with_comms
     def test_collect_route_raises_in_a_stage(self):

@@ -73,6 +73,7 @@ __all__ = [
     "schema_of",
     "spec_of",
     "splits_tensor",
+    "wait_stage_input",
 ]
 
 OpHandler = Callable[[torch._ops.OpOverload, tuple, dict], Any]
@@ -353,3 +354,23 @@ def running_perform_action(schedule: object) -> Callable[[Any], None] | None:
                 return perform
         frame = frame.f_back
     return None
+
+
+def wait_stage_input(schedule: object, action: Any) -> None:
+    """Wait for what ``action`` (a forward or backward sub-action) receives from another pp rank,
+    if it receives anything; the schedule then runs ``action`` without waiting.
+
+    ``_PipelineScheduleRuntime`` (torch 2.13) keeps the posted receives in ``fwd_recv_ops`` /
+    ``bwd_recv_ops``, keyed by ``(stage index, micro-batch index)``; its ``_perform_action``
+    requires the key, waits for its works and removes it. The works are waited for here and
+    replaced by an empty list: gloo's receive work waits for one more message when waited for
+    twice.
+    """
+    from torch.distributed.pipelining.schedules import FORWARD
+
+    ops = schedule.fwd_recv_ops if action.computation_type == FORWARD else schedule.bwd_recv_ops
+    key = (action.stage_index, action.microbatch_index)
+    if key in ops:
+        for work in ops[key]:
+            work.wait()
+        ops[key] = []

@@ -3,7 +3,8 @@ expert-parallel exchange (Note [F/B overlap] in ``dtensor_moe/parallel/overlap.p
 
 On 4 gloo ranks (pp2 x dp2 with EP2 inside each stage, the model and reference of
 ``tests/test_pipeline_schedule.py``): the overlapped schedule matches one process exactly as the
-plain one does (losses, every param grad, every router's counters), a backward side ran while
+plain one does (3 steps of fused AdamW: each step's losses and param grads, then the params and
+every router's counters), a backward side ran while
 a forward exchange travelled (never under the plain schedule), and the all-to-alls are as many
 as under the plain schedule, issued in the same order on both ranks of each EP group. In one
 process: the turn-taking itself (order, errors of either side, thread-local state) and the
@@ -33,12 +34,12 @@ from dtensor_moe import _compat
 from dtensor_moe.parallel import exchange, overlap_f_b
 from dtensor_moe.parallel.overlap import run_pair
 from tests._dist import DistTestBase
-from tests import test_pipeline_schedule as schedule_tests  # not the class: pytest would rerun it
+from tests import test_pipeline_schedule as schedule_tests  # (its test class would rerun here)
 
 
-def dualpipe_v_overlapped(stages, n_microbatches, loss_fn):
+def dualpipe_v_overlapped(stages, n_microbatches, **kwargs):
     """``ScheduleDualPipeV`` with :func:`overlap_f_b` (the schedule factory ``_check`` takes)."""
-    return overlap_f_b(ScheduleDualPipeV(stages, n_microbatches, loss_fn=loss_fn))
+    return overlap_f_b(ScheduleDualPipeV(stages, n_microbatches, **kwargs))
 
 
 @contextmanager
@@ -89,10 +90,12 @@ class PipelineOverlapTest(DistTestBase):
     @with_comms
     def test_dualpipe_v_overlap(self):
         traces = {}
-        for schedule in (ScheduleDualPipeV, dualpipe_v_overlapped):
+        # the plain schedule for one step (the control), the overlapped one for 3: its parity
+        # with one process exactly as test_dualpipe_v checks it
+        for schedule, steps in ((ScheduleDualPipeV, 1), (dualpipe_v_overlapped, 3)):
             events, a2a = [], []
-            with recorded_exchanges(events, a2a):  # and parity with one process:
-                schedule_tests.PipelineScheduleTest._check(self, schedule, "v")
+            with recorded_exchanges(events, a2a):
+                schedule_tests.check_training(self, schedule, "v", steps=steps)
             traces[schedule.__name__] = events, a2a
         plain_events, plain_a2a = traces["ScheduleDualPipeV"]
         events, a2a = traces["dualpipe_v_overlapped"]
@@ -100,8 +103,8 @@ class PipelineOverlapTest(DistTestBase):
         self.assertEqual(backward_inside_forward_exchange(plain_events), 0)
         self.assertGreater(backward_inside_forward_exchange(events), 0)
         # the same collectives, in an order that the two ranks of the EP group agree on
-        self.assertEqual(len(a2a), len(plain_a2a))
-        self.assertEqual(len(events), len(plain_events))
+        self.assertEqual(len(a2a), 3 * len(plain_a2a))  # as many per step
+        self.assertEqual(len(events), 3 * len(plain_events))
         self.assertGreater(len(a2a), 0)
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the EP groups (stages)
         ranks = [None] * 2

@@ -128,6 +128,10 @@ def _run_overlapped(action: Any, ctx: Any) -> None:
             "per-action function was found in the caller's frames)"
         )
     fwd, bwd, first = _sides(action)
+    # Both inputs from the other pp ranks first: a side that waited for one while holding the
+    # turn would hold up the other side's compute (and it no longer depends on it).
+    for sub in (fwd, bwd) if first == 0 else (bwd, fwd):
+        _compat.wait_stage_input(schedule, sub)
     run_pair(lambda: perform(fwd), lambda: perform(bwd), first=first)
 
 

@@ -18,8 +18,12 @@ custom function for that action that runs them as two sides taking turns:
   without stopping.
 
 Each sub-action is run by the schedule's own per-action function (``_perform_action`` of the
-running step, reached through ``_compat.running_perform_action``): input waits, loss, the
-hand-over between the two stages of a rank and the gradient bookkeeping are torch's.
+running step, reached through ``_compat.running_perform_action``): loss, the hand-over between
+the two stages of a rank and the gradient bookkeeping are torch's. Before the turns start, both
+sub-actions' inputs from the other pp ranks (activations, output gradients) are waited for
+(``_compat.wait_stage_input``): a side that waited for its input while holding the turn would
+hold up the other side's compute. Neither input depends on the other sub-action: the schedule
+sends a pair's outputs only after both sub-actions.
 
 Why the collectives still match: the two ranks of an expert-parallel group hold the same
 stages and run the same action list, so each side issues the same collectives (count

@@ -15,7 +15,9 @@ step's time is the slowest rank's (``all_reduce`` MAX of the per-rank wall times
 barrier and the step's end). It prints the median of each and the median of the per-repeat
 ``overlapped / plain`` ratios (below 1: the overlap is faster), and, before timing, the
 largest difference between the two schedules' gradients after one step each (the same model
-and data: rounding only).
+and data: rounding only). It also prints the process CPU time of a step (every thread, gloo's
+included), per rank: what the overlap costs in work, which the wall time hides when the cores
+are idle and shows when they are all busy.
 
 Run::
 
@@ -112,17 +114,22 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     x = torch.randn(rows, args.tokens // args.batch, args.dim, generator=gen)
     target = torch.randn(x.shape, generator=gen)
 
+    cpu: dict[str, list[float]] = {name: [] for name in schedules}
+
     def step(name: str) -> float:
         for m in modules:
             m.zero_grad(set_to_none=True)
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         # rank pp_rank 0 holds stage 0 (input) and stage 3 (loss): the V placement
         kwargs = dict(target=target) if meshes.pp_rank == 0 else {}
         schedules[name].step(*([x] if meshes.pp_rank == 0 else []), **kwargs)
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed)
+        took = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu],
+                            dtype=torch.float64)  # fmt: skip
+        dist.all_reduce(took[:1], op=dist.ReduceOp.MAX)
+        dist.all_reduce(took[1:], op=dist.ReduceOp.SUM)
+        cpu[name].append(float(took[1]) / WORLD)
+        return float(took[0])
 
     grads = {}
     for name in schedules:  # also the warmup
@@ -144,7 +151,11 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
             times[name].append(t)
         ratios.append(got["overlapped"] / got["plain"])
     if rank == 0:
-        queue.put(dict(times=times, ratios=ratios, grad_diff=float(diff_t)))
+        cpu_ratios = [o / p for o, p in zip(cpu["overlapped"][-args.repeats:],
+                                             cpu["plain"][-args.repeats:])]  # fmt: skip
+        queue.put(dict(times=times, ratios=ratios, grad_diff=float(diff_t),
+                       cpu={n: statistics.median(c[-args.repeats:]) for n, c in cpu.items()},
+                       cpu_ratio=statistics.median(cpu_ratios)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -201,6 +212,10 @@ def main() -> None:
           f"{over * 1e3:.1f} ms")
     print(f"overlapped / plain (median of per-repeat ratios): "
           f"{statistics.median(result['ratios']):.3f}")
+    cpu = result["cpu"]
+    print(f"process CPU time per rank (all threads, mean over ranks, median): plain "
+          f"{cpu['plain'] * 1e3:.1f} ms, overlapped {cpu['overlapped'] * 1e3:.1f} ms, "
+          f"ratio {result['cpu_ratio']:.3f}")
 
 
 if __name__ == "__main__":

@@ -177,6 +177,18 @@ def test_an_error_on_either_side_stops_the_other_and_is_raised(failing):
     assert exchange.set_after_launch(None) is None
 
 
+def test_pairs_reuse_one_worker_thread():
+    threads = []
+
+    def record():
+        threads.append(threading.current_thread())
+
+    for _ in range(3):
+        run_pair(lambda: None, record)
+    assert threads[0] is not threading.current_thread()
+    assert threads == threads[:1] * 3
+
+
 def test_worker_runs_with_the_callers_grad_mode_and_autocast():
     seen = []
 

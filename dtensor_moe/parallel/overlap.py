@@ -44,6 +44,8 @@ collective does (as without overlap).
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -190,40 +192,81 @@ def run_pair(side0: Callable[[], None], side1: Callable[[], None], *, first: int
     turns = _Turns(first)
     errors: list[BaseException] = []  # in the order they happened
     run_side1 = _with_thread_state(side1)
+    done = threading.Event()
 
-    def worker() -> None:
-        failed = True
+    def job() -> None:
         try:
-            turns.begin(1)
-            run_side1()
-            failed = False
-        except _Stopped:
-            pass
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-            errors.append(e)
+            _run_side(turns, 1, run_side1, errors)
         finally:
-            turns.end(1, failed)
+            done.set()
 
     turns.chained = exchange.set_after_launch(turns.switch)
-    thread = threading.Thread(target=worker, name="dtensor_moe-overlap-backward", daemon=True)
+    worker = _Worker.take()
     try:
-        thread.start()
-        failed = True
+        worker.submit(job)
         try:
-            turns.begin(0)
-            side0()
-            failed = False
-        except _Stopped:
-            pass
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the worker stops
-            errors.append(e)
+            _run_side(turns, 0, side0, errors)
         finally:
-            turns.end(0, failed)
-            thread.join()
+            done.wait()
+        worker.give_back()
     finally:
         exchange.set_after_launch(turns.chained)
     if errors:
         raise errors[0]
+
+
+def _run_side(turns: _Turns, side: int, fn: Callable[[], None], errors: list) -> None:
+    """Run ``fn`` as ``side`` once it has the turn; record its exception, if any, in
+    ``errors``. A side stopped because the other failed records nothing."""
+    failed = True
+    try:
+        turns.begin(side)
+        fn()
+        failed = False
+    except _Stopped:
+        pass
+    except BaseException as e:  # noqa: BLE001 - raised by run_pair once both sides stopped
+        errors.append(e)
+    finally:
+        turns.end(side, failed)
+
+
+class _Worker:
+    """A daemon thread that runs the jobs given to it, one at a time, and waits for more.
+
+    A thread's first torch ops cost more than its later ones (per-thread setup), so the pairs
+    reuse idle workers rather than start a thread each. Workers are per process: a forked child
+    starts its own (the parent's threads do not exist in it).
+    """
+
+    _idle: list[_Worker] = []
+    _lock = threading.Lock()
+    _pid = os.getpid()
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        thread = threading.Thread(target=self._loop, name="dtensor_moe-overlap", daemon=True)
+        thread.start()
+
+    @classmethod
+    def take(cls) -> _Worker:
+        with cls._lock:
+            if cls._pid != os.getpid():
+                cls._idle.clear()
+                cls._pid = os.getpid()
+            return cls._idle.pop() if cls._idle else cls()
+
+    def give_back(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                self._idle.append(self)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            self._jobs.get()()  # a job records its own exceptions
 
 
 def _with_thread_state(fn: Callable[[], None]) -> Callable[[], None]:

@@ -8,7 +8,8 @@ with the full backward of another micro-batch on the rank's other stage: an ``OV
 action whose two sub-actions torch runs one after the other. :func:`overlap_f_b` registers a
 custom function for that action that runs them as two sides taking turns:
 
-* the forward on the calling thread, the backward on a worker thread;
+* the forward on the calling thread, the backward on a worker thread (a daemon thread that
+  stays for the next pair);
 * only the side that holds the turn runs; the other waits;
 * the turn passes at every expert-parallel exchange launch (the hook of
   ``exchange.set_after_launch``, right after the all-to-all is issued, forward and backward):

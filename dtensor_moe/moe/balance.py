@@ -34,12 +34,12 @@ A forward inside a backward pass (an activation-checkpoint recompute) never coll
 was collected by the original forward. Under non-reentrant checkpointing the recomputed graph is
 discarded, so what it does is moot; under reentrant checkpointing the original forward ran without
 grad (nothing to collect) and the recompute's output is what backward flows through, so the loss
-is attached there (with the router's ``aux_loss_scale``, as in attach mode). Under ``torch.compile`` the collector stack is
-read and appended to in the traced graph (a guard on whether a collector is active, no graph
-break); the recompute check runs eagerly, so a compiled region that is recomputed *inside* an
-open collector (``checkpoint(torch.compile(f))`` with backward inside the ``with`` block) would
-collect its loss a second time: run backward after the block. The value is also kept, detached,
-in ``router.last_aux_loss`` for logging.
+is attached there (with the router's ``aux_loss_scale``, as in attach mode). Under
+``torch.compile`` the collector stack is read and appended to in the traced graph (a guard on
+whether a collector is active, no graph break); the recompute check runs eagerly, so a compiled
+region that is recomputed *inside* an open collector (``checkpoint(torch.compile(f))`` with
+backward inside the ``with`` block) would collect its loss a second time: run backward after
+the block. The value is also kept, detached, in ``router.last_aux_loss`` for logging.
 
 Note [Router losses under pipeline schedules]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -216,12 +216,8 @@ class AuxLossBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        kwargs = dict(dtype=ctx.aux_dtype, device=ctx.aux_device)
-        if isinstance(ctx.scale, torch.Tensor):
-            weight = ctx.scale.detach().to(**kwargs, copy=True)  # never the caller's tensor
-        else:
-            weight = torch.full((), ctx.scale, **kwargs)
-        return grad_y, weight, None
+        kwargs = dict(dtype=ctx.aux_dtype, device=ctx.aux_device)  # never the caller's tensor:
+        return grad_y, torch.as_tensor(ctx.scale, **kwargs).detach().clone(), None
 
 
 _NO_COLLECTOR = (

@@ -207,8 +207,14 @@ class _PermuteTokens(torch.autograd.Function):
         row_TK: torch.Tensor,
         void_row: bool,
         bag_offsets: torch.Tensor | None,
+        extra_N: torch.Tensor | None,
     ) -> torch.Tensor:
-        rows_ND = x_TD.index_select(0, token_N)
+        if extra_N is None:
+            rows_ND = x_TD.index_select(0, token_N)
+        else:  # one more column, in the same buffer (``row_N`` is None)
+            rows_ND = x_TD.new_empty(token_N.numel(), x_TD.shape[-1] + 1)
+            torch.index_select(x_TD, 0, token_N, out=rows_ND[:, :-1])
+            rows_ND[:, -1] = extra_N
         if row_N is None:
             return rows_ND
         # dropped pairs all land on the void row, which is cut off (Note [The void row])
@@ -217,18 +223,20 @@ class _PermuteTokens(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        x_TD, _, _, _, row_TK, void_row, bag_offsets = inputs
+        x_TD, _, _, _, row_TK, void_row, bag_offsets, extra_N = inputs
         ctx.save_for_backward(row_TK, bag_offsets)
-        ctx.void_row, ctx.num_tokens = void_row, x_TD.shape[0]
+        ctx.void_row, ctx.num_tokens, ctx.extra = void_row, x_TD.shape[0], extra_N is not None
 
     @staticmethod
     def backward(ctx: Any, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         row_TK, bag_offsets = ctx.saved_tensors
+        grad_N = grad_RD[:, -1] if ctx.extra else None
+        grad_RD = grad_RD[:, :-1] if ctx.extra else grad_RD
         if ctx.void_row:
             grad_RD = _with_void_row(grad_RD)
         if bag_offsets is not None:  # some of each token's pairs (a subset_layout)
-            return _sum_bags(grad_RD, row_TK, bag_offsets, ctx.num_tokens), *(None,) * 6
-        return sum_rows(grad_RD, row_TK), *(None,) * 6
+            return _sum_bags(grad_RD, row_TK, bag_offsets, ctx.num_tokens), *(None,) * 6, grad_N
+        return sum_rows(grad_RD, row_TK), *(None,) * 6, grad_N
 
 
 def _sum_bags(
@@ -272,15 +280,21 @@ def subset_layout(
     )
 
 
-def permute_tokens(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+def permute_tokens(
+    x_TD: torch.Tensor, layout: ExpertLayout, extra_N: torch.Tensor | None = None
+) -> torch.Tensor:
     """Copy tokens into the routed buffer ``(R, D)``; padding rows are zero.
 
     The backward gathers the ``K`` row gradients of each token and adds them in ``k`` order
-    (see Note [Deterministic combine]); padding rows give no gradient.
+    (see Note [Deterministic combine]); padding rows give no gradient. ``extra_N``: one value
+    per row, written as a last column (``(R, D + 1)``, one buffer); only for a layout without
+    padding (``row_N`` None).
     """
+    if extra_N is not None and layout.row_N is not None:
+        raise ValueError("permute_tokens: extra_N needs a layout without padding rows (row_N None)")
     return _PermuteTokens.apply(
         x_TD, layout.token_N, layout.row_N, layout.num_rows, layout.row_TK, layout.void_row,
-        layout.bag_offsets,
+        layout.bag_offsets, extra_N,
     )  # fmt: skip
 
 

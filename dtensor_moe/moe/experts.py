@@ -330,15 +330,15 @@ def _swiglu_down_backward(ctx: Any, grad_RD: torch.Tensor) -> tuple:
     h = act * h3
     u = _grouped_mm(g, w2.transpose(-2, -1), offs)  # g @ w2[e]: before the scores
     grad_s = None if s is None or not need[4] else (u * h).sum(-1)
-    if s is not None:  # in place on u (fresh) unless a graph is being built
-        u, g = (u * s[:, None] if torch.is_grad_enabled() else u.mul_(s[:, None])), g * s[:, None]
-    grad_w2 = _gmm_weight_grad(g, h, offs) if need[2] else None
+    if s is not None:  # scale u and h (R x H, fresh: in place unless a graph is being built)
+        u, h = (t * s[:, None] if torch.is_grad_enabled() else t.mul_(s[:, None]) for t in (u, h))
+    grad_w2 = _gmm_weight_grad(g, h, offs) if need[2] else None  # (s * g).T @ h == g.T @ (s * h)
     if torch.is_grad_enabled():  # create_graph: silu_backward has no derivative
         sig = torch.sigmoid(h1)
         grad_h1 = u * h3 * (sig * (1 + h1 * (1 - sig)))
     else:
         grad_h1 = torch.ops.aten.silu_backward(u * h3, h1)
-    return grad_h1, u * act, grad_w2, None, grad_s
+    return grad_h1, (u * act if torch.is_grad_enabled() else u.mul_(act)), grad_w2, None, grad_s
 
 
 swiglu_down.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)

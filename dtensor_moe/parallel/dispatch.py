@@ -7,7 +7,9 @@ Shape legend:
     K  experts per token; X = K * replicas rows per token (Note [Packed rows]
 ~~~~~~~~~~~~~~~~~~
 The experts apply the combine weights (``swiglu_down``), so each row travels with its weight:
-``(N, D + 1)``, the weight as the last column, one all-to-all. On arrival ``_Unpack`` returns
+``(N, D + 1)``, the weight as the last column, one all-to-all. ``permute_tokens`` gathers the
+rows straight into that buffer (``extra_N``; the static exchange, whose layout has padding
+rows, appends the column with a ``cat``). On arrival ``_Unpack`` returns
 the rows and the weights as views of that buffer, and its backward packs their gradients the
 same way, so the reverse exchange is one all-to-all too. Sending them as two tensors costs a
 second collective each way (gloo: a few ms of latency each on CPU), for ``N`` numbers.
@@ -436,12 +438,15 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     ) -> tuple[tuple[torch.Tensor, ...], Exchange]:
         """Gather the rows of ``layout`` and start sending them with their combine weights, in
         one exchange node (or, with ``score_before_experts``, the rows scaled by them)."""
-        rows_ND = permute_tokens(x_TD, layout)
         scores_N = scores_in_rows(scores_TX, layout)
         if self.score_before_experts:  # the rows travel scaled; no weights to send
-            return (scatter_start(ex, rows_ND * scores_N.unsqueeze(-1))[0],), ex
+            rows_ND = permute_tokens(x_TD, layout) * scores_N.unsqueeze(-1)
+            return (scatter_start(ex, rows_ND)[0],), ex
         # each row with its weight in one buffer: one collective each way (Note [Packed rows])
-        packed_ND1 = torch.cat((rows_ND, scores_N.unsqueeze(-1)), dim=-1)
+        if layout.row_N is None:  # gathered into it
+            packed_ND1 = permute_tokens(x_TD, layout, scores_N)
+        else:
+            packed_ND1 = torch.cat((permute_tokens(x_TD, layout), scores_N[:, None]), dim=-1)
         return (scatter_start(ex, packed_ND1)[0],), ex
 
     def _dispatch_static(

@@ -27,6 +27,7 @@ Shape legend: b sequences per micro-batch and dp rank, L tokens per sequence, D 
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 
 import torch
@@ -355,6 +356,19 @@ class PipelineScheduleTest(DistTestBase):
     @with_comms
     def test_zero_bubble_v_global_batch_aux_loss(self):
         self._check(ScheduleZBVZeroBubble, "v", aux="global_batch")
+
+    # DTENSOR_MOE_FULL_MATRIX=1: FSDP2 with a GradScaler, and TP of the dense layers, under the
+    # schedules whose CI tests above run without them
+    if os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1":
+
+        @with_comms
+        def test_every_schedule_with_fsdp_grad_scaler_and_tp(self):
+            schedules = ((ScheduleGPipe, "single"), (ScheduleInterleaved1F1B, "loop"),
+                         (ScheduleDualPipeV, "v"), (Schedule1F1B, "single"))
+            for schedule_cls, style in schedules:
+                self._check(schedule_cls, style, fsdp=True,
+                            scaler=torch.amp.GradScaler("cpu", init_scale=16.0))
+                self._check(schedule_cls, style, tp=2)
 
 
 if __name__ == "__main__":

@@ -230,8 +230,7 @@ class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         row_TK, bag_offsets = ctx.saved_tensors
-        grad_N = grad_RD[:, -1] if ctx.extra else None
-        grad_RD = grad_RD[:, :-1] if ctx.extra else grad_RD
+        grad_RD, grad_N = (grad_RD[:, :-1], grad_RD[:, -1]) if ctx.extra else (grad_RD, None)
         if ctx.void_row:
             grad_RD = _with_void_row(grad_RD)
         if bag_offsets is not None:  # some of each token's pairs (a subset_layout)

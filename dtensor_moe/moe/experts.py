@@ -330,9 +330,12 @@ def _swiglu_down_backward(ctx: Any, grad_RD: torch.Tensor) -> tuple:
     h = act * h3
     u = _grouped_mm(g, w2.transpose(-2, -1), offs)  # g @ w2[e]: before the scores
     grad_s = None if s is None or not need[4] else (u * h).sum(-1)
-    if s is not None:  # scale u and h (R x H, fresh: in place unless a graph is being built)
-        u, h = (t * s[:, None] if torch.is_grad_enabled() else t.mul_(s[:, None]) for t in (u, h))
-    grad_w2 = _gmm_weight_grad(g, h, offs) if need[2] else None  # (s * g).T @ h == g.T @ (s * h)
+    # the scores scale u (fresh: in place unless a graph is being built) and, for grad_w2, the
+    # narrower of h (R x H) and g (R x D): (s * g).T @ h == g.T @ (s * h)
+    if s is not None:
+        u = u * s[:, None] if torch.is_grad_enabled() else u.mul_(s[:, None])
+        h, g = (h * s[:, None], g) if h.shape[1] <= g.shape[1] else (h, g * s[:, None])
+    grad_w2 = _gmm_weight_grad(g, h, offs) if need[2] else None
     if torch.is_grad_enabled():  # create_graph: silu_backward has no derivative
         sig = torch.sigmoid(h1)
         grad_h1 = u * h3 * (sig * (1 + h1 * (1 - sig)))

@@ -50,7 +50,6 @@ from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
 from dtensor_moe import build_moe_meshes, parallelize_moe
-from dtensor_moe.moe import load_stats
 from tests._dist import DistTestBase
 from tests._moe_model import DIM, VOCAB
 from tests.test_parallel_moe import close
@@ -62,7 +61,7 @@ from tests.test_pipeline_schedule import (
     stage_module,
     stages_of,
 )
-from tests.test_pipeline_sequence_parallel import sequence_parallel
+from tests.test_pipeline_sequence_parallel import check_stage_grads, sequence_parallel
 
 TP = 2
 # DTENSOR_MOE_FULL_MATRIX=1: the other schedules too, with uneven shards (one stage per rank,
@@ -183,19 +182,7 @@ class PipelineDTensorActivationsTest(DistTestBase):
             got = torch.stack(losses).detach()
             dist.all_reduce(got, group=tp_mesh.get_group())
             close(got, torch.stack(ref_losses), f"{what} losses")
-        ref_params = dict(ref.named_parameters())
-        for module in modules:
-            for name, param in module.named_parameters():
-                grad = param.grad
-                self.assertIsNotNone(grad, f"{what} {name}")
-                if isinstance(grad, DTensor):
-                    grad = grad.redistribute(placements=param.placements).full_tensor()
-                else:  # the embedding and the head: each tp rank saw its own tokens
-                    grad = grad.clone()
-                    dist.all_reduce(grad, group=tp_mesh.get_group())
-                close(grad, ref_params[name].grad, f"{what} {name}")
-        stats = sorted(load_stats(modules, meshes=meshes), key=lambda layer: layer.name)
-        self.assertEqual(stats, load_stats(ref, process_group="local"), what)
+        check_stage_grads(self, modules, ref, meshes, what)
 
     @with_comms
     def test_1f1b(self):

@@ -82,6 +82,26 @@ def sequence_parallel(module: PipeLM, tp_mesh: DeviceMesh) -> None:
         parallelize_module(module, tp_mesh, {"norm": SequenceParallel(use_local_output=False)})
 
 
+def check_stage_grads(test, modules, ref, meshes, what: str, divide_by: int = 1) -> None:
+    """Every param grad of the stage modules (a DTensor's whole, a plain grad summed over the
+    tp ranks, each of which saw its own tokens), divided by ``divide_by``, against the
+    reference's; and every router's counters."""
+    tp_mesh = meshes.dense["tp"]
+    ref_params = dict(ref.named_parameters())
+    for module in modules:
+        for name, param in module.named_parameters():
+            grad = param.grad
+            test.assertIsNotNone(grad, f"{what} {name}")
+            if isinstance(grad, DTensor):
+                grad = grad.redistribute(placements=param.placements).full_tensor()
+            else:  # the embedding and the head
+                grad = grad.clone()
+                dist.all_reduce(grad, group=tp_mesh.get_group())
+            close(grad / divide_by, ref_params[name].grad, f"{what} {name}")
+    stats = sorted(load_stats(modules, meshes=meshes), key=lambda layer: layer.name)
+    test.assertEqual(stats, load_stats(ref, process_group="local"), what)
+
+
 class PipelineSequenceParallelTest(DistTestBase):
     def _check(self, schedule_cls, style: str) -> None:
         meshes = build_moe_meshes(pp=2, dp=1, ep=2, tp=TP, device_type="cpu")
@@ -123,19 +143,7 @@ class PipelineSequenceParallelTest(DistTestBase):
             got = torch.stack(losses).detach()
             dist.all_reduce(got, group=tp_mesh.get_group())
             close(got / TP, torch.stack(ref_losses), f"{what} losses")
-        ref_params = dict(ref.named_parameters())
-        for module in modules:
-            for name, param in module.named_parameters():
-                grad = param.grad
-                self.assertIsNotNone(grad, f"{what} {name}")
-                if isinstance(grad, DTensor):
-                    grad = grad.redistribute(placements=param.placements).full_tensor()
-                else:  # the embedding and the head: each tp rank saw its own tokens
-                    grad = grad.clone()
-                    dist.all_reduce(grad, group=tp_mesh.get_group())
-                close(grad / TP, ref_params[name].grad, f"{what} {name}")
-        stats = sorted(load_stats(modules, meshes=meshes), key=lambda layer: layer.name)
-        self.assertEqual(stats, load_stats(ref, process_group="local"), what)
+        check_stage_grads(self, modules, ref, meshes, what, divide_by=TP)
 
     @with_comms
     def test_1f1b(self):

@@ -62,6 +62,7 @@ __all__ = [
     "dtensor_specs",
     "flatten_mesh",
     "in_backward_pass",
+    "in_pipeline_stage_forward",
     "is_pipeline_runtime",
     "local_tensor",
     "local_tensors",

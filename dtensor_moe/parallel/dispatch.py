@@ -4,17 +4,7 @@ Shape legend:
     T  tokens routed by this rank
     D  model width
     E  routed experts (global count); e  experts held by this rank (``E // ep``)
-    K  experts per token; X = K * replicas rows per token (Note [Packed rows]
-~~~~~~~~~~~~~~~~~~
-The experts apply the combine weights (``swiglu_down``), so each row travels with its weight:
-``(N, D + 1)``, the weight as the last column, one all-to-all. ``permute_tokens`` gathers the
-rows straight into that buffer (``extra_N``; the static exchange, whose layout has padding
-rows, appends the column with a ``cat``). On arrival ``_Unpack`` returns
-the rows and the weights as views of that buffer, and its backward packs their gradients the
-same way, so the reverse exchange is one all-to-all too. Sending them as two tensors costs a
-second collective each way (gloo: a few ms of latency each on CPU), for ``N`` numbers.
-
-Note [Expert TP by all-to-all])
+    K  experts per token; X = K * replicas rows per token (Note [Expert TP by all-to-all])
     N  rows this rank sends (including its own), sorted by destination rank, then local expert
     M  rows this rank receives from the other ranks, grouped by source rank, then local expert
     R  rows of a routed buffer grouped by local expert, alignment padding included
@@ -44,6 +34,16 @@ forward ``all_to_all_single`` x 3 (counts, then rows with their combine weights,
 outputs), backward x 2 (output gradients, then row and weight gradients). The
 exchanges are start/wait pairs of autograd ops (Note [Exchanges as autograd pairs] in
 ``exchange.py``); ``CommDebugMode`` counts each ``all_to_all_single``.
+
+Note [Packed rows]
+~~~~~~~~~~~~~~~~~~
+The experts apply the combine weights (``swiglu_down``), so each row travels with its weight:
+``(N, D + 1)``, the weight as the last column, one all-to-all. ``permute_tokens`` gathers the
+rows straight into that buffer (``extra_N``; the static exchange, whose layout has padding
+rows, appends the column with a ``cat``). On arrival ``_Unpack`` returns the rows and the
+weights as views of that buffer, and its backward packs their gradients the same way, so the
+reverse exchange is one all-to-all too. Sending them as two tensors costs a second collective
+each way (gloo: a few ms of latency each on CPU), for ``N`` numbers.
 
 Note [Expert TP by all-to-all]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

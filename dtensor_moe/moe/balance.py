@@ -216,7 +216,7 @@ class AuxLossBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        kwargs = dict(dtype=ctx.aux_dtype, device=ctx.aux_device)  # never the caller's tensor:
+        kwargs = dict(dtype=ctx.aux_dtype, device=ctx.aux_device)  # a copy, never the caller's
         return grad_y, torch.as_tensor(ctx.scale, **kwargs).detach().clone(), None
 
 

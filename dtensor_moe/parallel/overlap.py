@@ -52,19 +52,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.pipelining.schedules import (
-    BACKWARD_INPUT,
-    FORWARD,
-    FULL_BACKWARD,
-    OVERLAP_F_B,
-)
 
 from dtensor_moe import _compat
 from dtensor_moe.parallel import exchange
 
-__all__ = ["overlap_f_b"]
+# torch.distributed.pipelining is imported where it is used, not with the package: a process
+# that never builds a schedule does not load it (and _compat.in_pipeline_stage_forward then
+# returns at once)
 
-_BACKWARD = (FULL_BACKWARD, BACKWARD_INPUT)
+__all__ = ["overlap_f_b"]
 
 
 def overlap_f_b(schedule: Any) -> Any:
@@ -83,6 +79,8 @@ def overlap_f_b(schedule: Any) -> Any:
         RuntimeError: this torch's schedule runtime has no per-action function to run the
             sub-actions with.
     """
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
     if not _compat.is_pipeline_runtime(schedule):
         raise TypeError(
             f"overlap_f_b: {type(schedule).__name__} does not run OVERLAP_F_B actions; use "
@@ -113,9 +111,12 @@ def overlap_f_b(schedule: Any) -> Any:
 def _sides(action: Any) -> tuple[Any, Any, int]:
     """The forward and backward sub-actions of ``action``, and which of the two is listed
     first (0: the forward)."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, FORWARD, FULL_BACKWARD
+
     subs = tuple(action.sub_actions or ())
     kinds = [a.computation_type for a in subs]
-    if len(subs) == 2 and FORWARD in kinds and any(k in _BACKWARD for k in kinds):
+    backward = any(k in (FULL_BACKWARD, BACKWARD_INPUT) for k in kinds)
+    if len(subs) == 2 and FORWARD in kinds and backward:
         first = 0 if kinds[0] == FORWARD else 1
         fwd, bwd = (subs[0], subs[1]) if first == 0 else (subs[1], subs[0])
         return fwd, bwd, first
@@ -137,7 +138,7 @@ def _run_overlapped(action: Any, ctx: Any) -> None:
     fwd, bwd, first = _sides(action)
     # Both inputs from the other pp ranks first: a side that waited for one while holding the
     # turn would hold up the other side's compute (and it no longer depends on it).
-    for sub in (fwd, bwd) if first == 0 else (bwd, fwd):
+    for sub in action.sub_actions:
         _compat.wait_stage_input(schedule, sub)
     run_pair(lambda: perform(fwd), lambda: perform(bwd), first=first)
 

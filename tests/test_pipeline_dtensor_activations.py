@@ -61,7 +61,11 @@ from tests.test_pipeline_schedule import (
     stage_module,
     stages_of,
 )
-from tests.test_pipeline_sequence_parallel import check_stage_grads, sequence_parallel
+from tests.test_pipeline_sequence_parallel import (
+    check_stage_grads,
+    sequence_parallel,
+    step_on_shards,
+)
 
 TP = 2
 # DTENSOR_MOE_FULL_MATRIX=1: the other schedules too, with uneven shards (one stage per rank,
@@ -162,16 +166,10 @@ class PipelineDTensorActivationsTest(DistTestBase):
                 dist.set_debug_level(debug_level)
             modules.append(module)
             wrappers.append(wrapper)
-        loss_fn = shard_loss(seq_len)
-        schedule = (schedule_cls(stages[0], N_MICRO, loss_fn=loss_fn) if style == "single"
-                    else schedule_cls(stages, N_MICRO, loss_fn=loss_fn))
-
         T = tokens(seq_len)
         columns = shard_columns(tp_mesh, seq_len)  # this tp rank's sequence shard
-        inputs, targets = T[:, :-1][:, columns], T[:, 1:][:, columns]
-        losses: list[torch.Tensor] = []
-        last = dict(target=targets, losses=losses) if num_stages - 1 in indices else {}
-        schedule.step(*([inputs] if 0 in indices else []), **last)
+        losses = step_on_shards(schedule_cls, style, stages, shard_loss(seq_len), T, columns,
+                                indices, num_stages)
         ref_losses = reference_step(ref, T, 1)
 
         what = schedule_cls.__name__

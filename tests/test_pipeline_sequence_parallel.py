@@ -82,6 +82,21 @@ def sequence_parallel(module: PipeLM, tp_mesh: DeviceMesh) -> None:
         parallelize_module(module, tp_mesh, {"norm": SequenceParallel(use_local_output=False)})
 
 
+def step_on_shards(
+    schedule_cls, style: str, stages: list, loss_fn, T: torch.Tensor, columns, indices: list[int],
+    num_stages: int,
+) -> list[torch.Tensor]:
+    """One step of a ``schedule_cls`` schedule over ``stages`` on this tp rank's sequence
+    shard (``columns``) of the tokens ``T``; the last stage's losses (empty elsewhere)."""
+    schedule = (schedule_cls(stages[0], N_MICRO, loss_fn=loss_fn) if style == "single"
+                else schedule_cls(stages, N_MICRO, loss_fn=loss_fn))
+    inputs, targets = T[:, :-1][:, columns], T[:, 1:][:, columns]
+    losses: list[torch.Tensor] = []
+    last = dict(target=targets, losses=losses) if num_stages - 1 in indices else {}
+    schedule.step(*([inputs] if 0 in indices else []), **last)
+    return losses
+
+
 def check_stage_grads(test, modules, ref, meshes, what: str, divide_by: int = 1) -> None:
     """Every param grad of the stage modules (a DTensor's whole, a plain grad summed over the
     tp ranks, each of which saw its own tokens), divided by ``divide_by``, against the
@@ -126,16 +141,11 @@ class PipelineSequenceParallelTest(DistTestBase):
                 group=meshes.pp_mesh.get_group(),
             ))
             modules.append(module)
-        schedule = (schedule_cls(stages[0], N_MICRO, loss_fn=loss_fn) if style == "single"
-                    else schedule_cls(stages, N_MICRO, loss_fn=loss_fn))
-
         T = tokens(1)
         t = tp_mesh.get_local_rank()
         columns = slice(t * (L // TP), (t + 1) * (L // TP))  # this tp rank's sequence shard
-        inputs, targets = T[:, :-1][:, columns], T[:, 1:][:, columns]
-        losses: list[torch.Tensor] = []
-        last = dict(target=targets, losses=losses) if num_stages - 1 in indices else {}
-        schedule.step(*([inputs] if 0 in indices else []), **last)
+        losses = step_on_shards(schedule_cls, style, stages, loss_fn, T, columns, indices,
+                                num_stages)
         ref_losses = reference_step(ref, T, 1)
 
         what = schedule_cls.__name__

@@ -422,9 +422,18 @@ def test_inductor_matches_eager(name, dtype):
     assert max(errors.values()) <= REL_TOL[dtype], errors
 
 
+EP_RANK_TIMEOUT_S = 120
+
+
 def _ep_worker(rank: int, world: int, port: int, results) -> None:
     """One rank of :func:`test_expert_parallel_on_the_device_matches_one_process`."""
+    import faulthandler
+
     from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
+
+    # a rank stuck in a collective prints every thread's stack and exits, so the test fails
+    # with the place it hung (the parent waits longer than this)
+    faulthandler.dump_traceback_later(EP_RANK_TIMEOUT_S, exit=True)
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -479,7 +488,7 @@ def test_expert_parallel_on_the_device_matches_one_process():
         p.start()
     got = {}
     for _ in procs:
-        rank, errors = results.get(timeout=180)
+        rank, errors = results.get(timeout=EP_RANK_TIMEOUT_S + 30)
         assert not isinstance(errors, str), f"rank {rank}:\n{errors}"
         got[rank] = errors
     for p in procs:

@@ -289,3 +289,37 @@ def test_combine_helpers_match_explicit_sums(T, K):
     row_TK = torch.randint(0, R, (K, T), generator=g).t()  # a transposed view
     rows_TKD = out_RD.double()[row_TK]
     torch.testing.assert_close(sum_rows(out_RD, row_TK), rows_TKD.sum(1).float())
+
+
+def test_layer_step_binds_no_autograd_function_signature():
+    """``_compat.PositionalApply``: the layer's autograd Functions that define
+    ``setup_context`` skip torch's per-call ``inspect.signature(...).bind`` in eager mode
+    (none in a forward + backward), and still bind, as torch's ``Function.apply`` does, under a
+    ``torch.func`` transform, whose results stay those of plain autograd. In eval mode: a
+    training forward adds to the router's counters in place, which a transform refuses."""
+    import inspect
+    from unittest import mock
+
+    from dtensor_moe import MoE, MoEConfig
+
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(dim=16, hidden_dim=32, num_experts=4, top_k=2)).eval()
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    calls = []
+    real = inspect.signature
+
+    def counting(fn, *args, **kwargs):
+        calls.append(getattr(fn, "__qualname__", fn))
+        return real(fn, *args, **kwargs)
+
+    with mock.patch.object(inspect, "signature", counting):
+        moe(x).square().sum().backward()
+        eager = list(calls)
+        params = {n: p.detach() for n, p in moe.named_parameters()}
+        grads = torch.func.grad(
+            lambda p: torch.func.functional_call(moe, p, (x.detach(),)).square().sum()
+        )(params)
+    assert eager == [], eager
+    assert any("forward" in str(c) for c in calls[len(eager):]), calls
+    for name, p in moe.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -19,19 +19,18 @@ exchange between the steps: sort by global expert without padding, permute, scal
 one forward needs goes into its metadata (a frozen dataclass that may subclass
 :class:`DispatchMetadata`), never onto ``self``.
 
-Note [Deterministic combine]: no step accumulates with atomics or ``index_add``. Forward
-gathers rows by index. The weighted combine adds each token's ``K`` weighted rows in ``k``
-order, in one pass with no temporary: ``embedding_bag`` in ``"sum"`` mode with the scores as
-per-sample weights, which reads each token's rows by index and accumulates them in bag order
-(:func:`weighted_row_sum`; never the ``(T * K, D)`` gathered rows). The backward of the token
-gather adds the ``K`` row gradients of each token in ``k`` order the same way, unweighted
-(:func:`sum_rows`); the backward of the combine writes each row's gradient to its unique
-routed row (``index_copy``, or one gather by the inverse permutation when there is no
-padding), and the score gradients, one dot product per pair, are ``embedding_bag``'s
-per-sample-weight gradient, in one pass (:func:`combine_score_grads`). Results are the same
-bits run to run on CPU (tested) and on one CUDA GPU (``tests/test_cuda.py``, run on an H200 in
-float32 and bf16; CI has no GPU). Every path (plain, fused routed step, expert-parallel step)
-calls these helpers; the plain path and the fused routed step give the same bits as each other.
+Note [Deterministic combine]: outside a double backward, no step accumulates with atomics or
+``index_add``. Forward gathers rows by index. The combine sums each token's ``K`` rows (the
+experts applied the combine weights) in ``k`` order, in one pass with no temporary:
+``embedding_bag`` in ``"sum"`` mode, which reads each token's rows by index and accumulates them
+in bag order (:func:`sum_rows`; never the ``(T * K, D)`` gathered rows). The backward of the
+token gather adds the ``K`` row gradients of each token in ``k`` order the same way; the
+backward of the combine writes each row's gradient to its unique routed row (``index_copy``, or
+one gather by the inverse permutation when there is no padding; :func:`combine_row_grads`).
+Results are the same bits run to run on CPU (tested) and on one CUDA GPU
+(``tests/test_cuda.py``, run on an H200 in float32 and bf16; CI has no GPU). Every path (plain,
+default, expert-parallel) calls these helpers; the plain path and the default path give the
+same output bits.
 """
 
 # ruff: noqa: N803, N806, N812, N815
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dtensor_moe import _compat
 from dtensor_moe.moe.capacity import Capacity
 
 __all__ = [
@@ -195,7 +195,7 @@ def _with_void_row(t_RD: torch.Tensor) -> torch.Tensor:
     return torch.cat((t_RD, t_RD.new_zeros(1, t_RD.shape[-1])))
 
 
-class _PermuteTokens(torch.autograd.Function):
+class _PermuteTokens(_compat.PositionalApply, torch.autograd.Function):
     """``routed_RD[row_N[n]] = x_TD[token_N[n]]`` (padding rows zero), deterministic backward."""
 
     @staticmethod
@@ -349,52 +349,37 @@ def sum_rows(src_RD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
 
 
 def combine_row_grads(
-    grad_TD: torch.Tensor,
-    s_TK: torch.Tensor | None,
-    row_TK: torch.Tensor,
-    num_rows: int,
-    order_N: torch.Tensor | None,
+    grad_TD: torch.Tensor, row_TK: torch.Tensor, num_rows: int, order_N: torch.Tensor | None
 ) -> torch.Tensor:
-    """The gradient of :func:`weighted_row_sum` with respect to ``out_RD``: row ``row_TK[t, k]``
-    gets ``s_TK[t, k] * grad_TD[t]`` (``s_TK=None``: ``grad_TD[t]``); rows no pair names get
-    zero. With ``order_N`` (the rows are
-    a permutation of the pairs) one gather, no zero fill."""
+    """The gradient of :func:`sum_rows` with respect to ``src_RD``: row ``row_TK[t, k]`` gets
+    ``grad_TD[t]``; rows no pair names get zero. With ``order_N`` (the rows are a permutation
+    of the pairs) one gather, no zero fill."""
     K = row_TK.shape[1]
     if order_N is not None:
-        token_N = torch.div(order_N, K, rounding_mode="floor")
-        rows_ND = grad_TD.index_select(0, token_N)
-        if s_TK is None:
-            return rows_ND
-        return rows_ND.mul_(s_TK.reshape(-1).index_select(0, order_N).unsqueeze(-1))
+        return grad_TD.index_select(0, torch.div(order_N, K, rounding_mode="floor"))
     grad_RD = grad_TD.new_zeros(num_rows, grad_TD.shape[-1])
     for k in range(K):
-        grad_k = grad_TD if s_TK is None else grad_TD * s_TK[:, k : k + 1]
-        grad_RD.index_copy_(0, row_TK[:, k], grad_k)
+        grad_RD.index_copy_(0, row_TK[:, k], grad_TD)
     return grad_RD
 
 
 # Note [Double backward]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A backward with ``create_graph=True`` (a gradient penalty, a Hessian-vector product) runs
-# every node's backward with grad mode on, and differentiates what the backwards compute. Two of
-# the shared helpers use kernels that cannot be differentiated: ``combine_score_grads`` (an aten
-# kernel with no derivative) and ``sum_rows`` (``embedding_bag``, whose own backward has no
-# derivative, which ``torch.autograd.functional.hvp`` needs). When grad mode is on and an input
-# requires grad, each computes the same values with differentiable ops instead: an explicit
-# ``(T, K, D)`` product summed over ``D``, and an indexing summed over ``K`` (equal up to float
-# rounding). ``combine_row_grads`` is differentiable as it is. So are the other backwards, and
+# every node's backward with grad mode on, and differentiates what the backwards compute. The
+# token gather's backward sums rows with ``embedding_bag`` (:func:`sum_rows`, ``_sum_bags``),
+# whose own backward has no derivative (``torch.autograd.functional.hvp`` needs one). When grad
+# mode is on and an input requires grad, they compute the same values with differentiable ops
+# instead: an indexing summed over ``K``, or an ``index_add`` per token (equal up to float
+# rounding). ``combine_row_grads`` is differentiable as it is. So are the other backwards
+# (``swiglu_down``'s formula and the exchanges are made of differentiable ops), and
 # ``_compat.local_views``' (the parallel layouts' local views of DTensor weights and inputs),
-# which wraps gradients with ``DTensor.from_local`` in grad mode. So the plain path
-# (``fused_routed_step=False``) gives exact second derivatives, in one process and under the
-# parallel layouts with the plain exchange (``tests/test_moe_layer.py``,
-# ``tests/test_parallel_styles.py``: against the per-token reference). The fused routed step and
-# the expert-parallel step have hand-written backwards that cannot build a graph: in grad mode
-# they raise, on every rank, before computing anything, instead of returning gradients that
-# silently miss the terms of their saved weights and activations (which is what
-# ``once_differentiable`` does when the incoming gradient does not require grad).
+# which wraps gradients with ``DTensor.from_local`` in grad mode. So every path gives exact
+# second derivatives, in one process and under the parallel layouts (``tests/test_moe_layer.py``,
+# ``tests/test_parallel_styles.py``: against the per-token reference).
 
 
-class _SumRows(torch.autograd.Function):
+class _SumRows(_compat.PositionalApply, torch.autograd.Function):
     """``y_TD[t] = sum_k src_RD[row_TK[t, k]]`` in one pass (:func:`sum_rows`); backward gives
     each named row its token's gradient (:func:`combine_row_grads`), other rows zero."""
 
@@ -411,7 +396,7 @@ class _SumRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         row_TK, order_N = ctx.saved_tensors
-        return combine_row_grads(grad_TD, None, row_TK, ctx.num_rows, order_N), None, None
+        return combine_row_grads(grad_TD, row_TK, ctx.num_rows, order_N), None, None
 
 
 def unpermute_and_reduce(

@@ -75,7 +75,7 @@ __all__ = [
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class _ContiguousGrad(torch.autograd.Function):
+class _ContiguousGrad(_compat.PositionalApply, torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous.
 
     Note [grouped_mm expanded grad]: in torch 2.13 the backward of ``torch._grouped_mm``
@@ -158,7 +158,8 @@ def _grouped_mm(x_RI: torch.Tensor, w_eOI: torch.Tensor, offs_e: torch.Tensor) -
     Note [grouped_mm under torch.compile]."""
     if torch.compiler.is_compiling():
         return _grouped_mm_op(x_RI, w_eOI, offs_e)
-    return _ContiguousGrad.apply(torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e))
+    out_RO = torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e)
+    return _ContiguousGrad.apply(out_RO) if out_RO.requires_grad else out_RO
 
 
 # Note [Routed experts under autocast]
@@ -283,8 +284,8 @@ def _swiglu_bmm(
 # (``retain_graph``, the input and weight phases of a zero-bubble schedule) and be differentiated
 # again (``create_graph``: the formula is made of differentiable ops in eager mode).
 # ``recompute_experts=True`` checkpoints both steps (``torch.utils.checkpoint``): only the source
-# is kept, and backward runs the two up projections again (11 grouped matmuls; the recompute
-# stops before the down projection). ``fused_routed_step=False`` runs plain autograd on
+# is kept, and backward runs both steps again (12 grouped matmuls: the down projection's
+# saved inputs are packed after it runs, so checkpoint's early stop comes after it). ``fused_routed_step=False`` runs plain autograd on
 # :func:`grouped_swiglu` and a multiplication by the scores. Under ``torch.func`` transforms
 # (which run no custom-op formula and no saved-tensor hook) the experts take the plain path, and
 # while compiling the rows are saved as they are (the partitioner decides what to keep); the
@@ -298,22 +299,24 @@ def _gmm_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, offs: torch.Tens
     return torch._grouped_mm(grad_RO.t(), x_RI, offs=offs)
 
 
-@torch.library.custom_op("dtensor_moe::swiglu_down", mutates_args=())
-def swiglu_down(
+def _swiglu_down_body(
     h1_RH: torch.Tensor,
     h3_RH: torch.Tensor,
     w2_eDH: torch.Tensor,
     offs_e: torch.Tensor,
     scores_R: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``scores_R[:, None] * ((silu(h1_RH) * h3_RH) @ w2_eDH[i].T)`` per row group ending at
-    ``offs_e``; ``scores_R=None``: unscaled. Note [The routed SwiGLU in two steps]."""
     h_RH = F.silu(h1_RH).mul_(h3_RH)
     out_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
     return out_RD if scores_R is None else out_RD.mul_(scores_R.unsqueeze(-1))
 
 
-@swiglu_down.register_fake
+_swiglu_down_op = torch.library.custom_op("dtensor_moe::swiglu_down", mutates_args=())(
+    _swiglu_down_body
+)
+
+
+@_swiglu_down_op.register_fake
 def _swiglu_down_fake(h1_RH, h3_RH, w2_eDH, offs_e, scores_R):
     return h1_RH.new_empty(h1_RH.shape[0], w2_eDH.shape[1])
 
@@ -344,7 +347,37 @@ def _swiglu_down_backward(ctx: Any, grad_RD: torch.Tensor) -> tuple:
     return grad_h1, (u * act if torch.is_grad_enabled() else u.mul_(act)), grad_w2, None, grad_s
 
 
-swiglu_down.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
+_swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
+
+
+class _SwigluDown(torch.autograd.Function):
+    """The op ``dtensor_moe::swiglu_down`` in eager mode: its body and formula, without the
+    custom op's dispatch (about 30 us a call on CPU)."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(*inputs)
+        return _swiglu_down_body(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad_RD: torch.Tensor) -> tuple:
+        return _swiglu_down_backward(ctx, grad_RD)
+
+
+def swiglu_down(
+    h1_RH: torch.Tensor,
+    h3_RH: torch.Tensor,
+    w2_eDH: torch.Tensor,
+    offs_e: torch.Tensor,
+    scores_R: torch.Tensor | None,
+) -> torch.Tensor:
+    """``scores_R[:, None] * ((silu(h1_RH) * h3_RH) @ w2_eDH[i].T)`` per row group ending at
+    ``offs_e``; ``scores_R=None``: unscaled. Note [The routed SwiGLU in two steps]. While
+    compiling it is the op ``dtensor_moe::swiglu_down`` (registered with ``torch.library``);
+    in eager mode an autograd Function with the same body and formula."""
+    if torch.compiler.is_compiling():
+        return _swiglu_down_op(h1_RH, h3_RH, w2_eDH, offs_e, scores_R)
+    return _SwigluDown.apply(h1_RH, h3_RH, w2_eDH, offs_e, scores_R)
 
 
 class _Regather:

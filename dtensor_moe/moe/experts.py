@@ -285,8 +285,9 @@ def _swiglu_bmm(
 # again (``create_graph``: the formula is made of differentiable ops in eager mode).
 # ``recompute_experts=True`` checkpoints both steps (``torch.utils.checkpoint``): only the source
 # is kept, and backward runs both steps again (12 grouped matmuls: the down projection's
-# saved inputs are packed after it runs, so checkpoint's early stop comes after it). ``fused_routed_step=False`` runs plain autograd on
-# :func:`grouped_swiglu` and a multiplication by the scores. Under ``torch.func`` transforms
+# saved inputs are packed after it runs, so checkpoint's early stop comes after it).
+# ``fused_routed_step=False`` runs plain autograd on :func:`grouped_swiglu` and a
+# multiplication by the scores. Under ``torch.func`` transforms
 # (which run no custom-op formula and no saved-tensor hook) the experts take the plain path, and
 # while compiling the rows are saved as they are (the partitioner decides what to keep); the
 # results are the same up to float rounding.

@@ -400,7 +400,6 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         sent, arrived = torch.stack((counts_X, counts_in)).tolist()
         P = len(sent) // e
         send, recv = _block_sums(sent, e), _block_sums(arrived, e)
-        n_kept = sum(sent)
         own = sent[me * e : (me + 1) * e]
         if keep_own:
             send[me] = recv[me] = 0

@@ -139,15 +139,8 @@ def _grouped_mm_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 
 def _grouped_mm_backward(ctx: Any, grad_RO: torch.Tensor) -> tuple:
-    """The formulas of eager ``torch._grouped_mm``'s autograd (bit-identical results)."""
     x_RI, w_eOI, offs_e = ctx.saved_tensors
-    grad_RO = grad_RO.contiguous()  # Note [grouped_mm expanded grad]
-    grad_x = grad_w = None
-    if ctx.needs_input_grad[0]:
-        grad_x = _grouped_mm_op(grad_RO, w_eOI.transpose(-2, -1), offs_e)
-    if ctx.needs_input_grad[1]:
-        grad_w = _grouped_mm_weight_grad(grad_RO, x_RI, offs_e)
-    return grad_x, grad_w, None
+    return *_gmm_grads(grad_RO, x_RI, w_eOI, offs_e, *ctx.needs_input_grad[:2]), None
 
 
 _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
@@ -158,8 +151,7 @@ def _grouped_mm(x_RI: torch.Tensor, w_eOI: torch.Tensor, offs_e: torch.Tensor) -
     Note [grouped_mm under torch.compile]."""
     if torch.compiler.is_compiling():
         return _grouped_mm_op(x_RI, w_eOI, offs_e)
-    out_RO = torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e)
-    return _ContiguousGrad.apply(out_RO) if out_RO.requires_grad else out_RO
+    return _ContiguousGrad.apply(torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e))
 
 
 # Note [Routed experts under autocast]
@@ -300,6 +292,15 @@ def _gmm_weight_grad(grad_RO: torch.Tensor, x_RI: torch.Tensor, offs: torch.Tens
     return torch._grouped_mm(grad_RO.t(), x_RI, offs=offs)
 
 
+def _gmm_grads(grad_RO, x_RI, w_eOI, offs_e, need_x: bool, need_w: bool) -> tuple:
+    """The gradients of ``x_RI @ w_eOI[i].T`` per row group for ``x_RI`` and ``w_eOI`` (``None``
+    where not needed), with the formulas of eager ``torch._grouped_mm``'s autograd (the same
+    bits)."""
+    grad_RO = grad_RO.contiguous()  # Note [grouped_mm expanded grad]
+    grad_x = _grouped_mm(grad_RO, w_eOI.transpose(-2, -1), offs_e) if need_x else None
+    return grad_x, (_gmm_weight_grad(grad_RO, x_RI, offs_e) if need_w else None)
+
+
 def _swiglu_down_body(
     h1_RH: torch.Tensor,
     h3_RH: torch.Tensor,
@@ -383,43 +384,60 @@ def swiglu_down(
 
 class _Regather:
     """What a saved-tensor hook keeps instead of the gathered rows: their source and layout.
+    Each backward that unpacks them (a second one with ``retain_graph``, the weight phase of a
+    zero-bubble schedule) gathers them again; in grad mode (``create_graph``) the gather is part
+    of the new graph."""
 
-    The two up projections each save the rows; the first to unpack them in a backward gathers
-    them again and the second reuses that gather, which is then dropped, so a later backward
-    (a second one with ``retain_graph``, the weight phase of a zero-bubble schedule) gathers
-    again. In grad mode (``create_graph``) the gather is part of the new graph."""
-
-    __slots__ = ("source", "layout", "rows", "unpacked")
+    __slots__ = ("source", "layout")
 
     def __init__(self, source: torch.Tensor, layout: ExpertLayout) -> None:
-        self.source, self.layout, self.rows, self.unpacked = source, layout, None, 0
+        self.source, self.layout = source, layout
 
     def get(self) -> torch.Tensor:
-        rows = self.rows
-        if rows is None:
-            rows = permute_tokens(self.source, self.layout)
-        self.unpacked += 1
-        self.rows = rows if self.unpacked % 2 else None
-        return rows
+        return permute_tokens(self.source, self.layout)
 
 
 def _unpack(saved: Any) -> torch.Tensor:
     return saved.get() if isinstance(saved, _Regather) else saved
 
 
+class _ProjectUp(torch.autograd.Function):
+    """``(x_RD @ w1_eHD[i].T, x_RD @ w3_eHD[i].T)`` per row group ending at ``offs_e``, as one
+    node: the rows are saved once, and backward adds the two input gradients in place (autograd
+    would run two nodes and add their results into a third tensor). Eager mode only."""
+
+    @staticmethod
+    def forward(ctx: Any, x_RD, w1_eHD, w3_eHD, offs_e) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(x_RD, w1_eHD, w3_eHD, offs_e)
+        return tuple(torch._grouped_mm(x_RD, w.transpose(-2, -1), offs=offs_e)
+                     for w in (w1_eHD, w3_eHD))  # fmt: skip
+
+    @staticmethod
+    def backward(ctx: Any, g1_RH: torch.Tensor, g3_RH: torch.Tensor) -> tuple:
+        x_RD, w1, w3, offs = ctx.saved_tensors
+        need_x, need_w1, need_w3 = ctx.needs_input_grad[:3]
+        grad_x, grad_w1 = _gmm_grads(g1_RH, x_RD, w1, offs, need_x, need_w1)
+        grad_x3, grad_w3 = _gmm_grads(g3_RH, x_RD, w3, offs, need_x, need_w3)
+        if need_x:  # in place unless a graph is being built
+            grad_x = grad_x + grad_x3 if torch.is_grad_enabled() else grad_x.add_(grad_x3)
+        return grad_x, grad_w1, grad_w3, None
+
+
 def _project_up(src_SD, layout, w1_eHD, w3_eHD, offs_e, regather=True):
     """Step 1 of Note [The routed SwiGLU in two steps]: the rows of ``layout``, projected.
     ``regather``: backward gathers the rows again instead of keeping them."""
     rows_RD = permute_tokens(src_SD, layout)
-    if not regather:
+    if torch.compiler.is_compiling():  # Note [grouped_mm under torch.compile]
         return _grouped_mm(rows_RD, w1_eHD, offs_e), _grouped_mm(rows_RD, w3_eHD, offs_e)
+    if not regather:
+        return _ProjectUp.apply(rows_RD, w1_eHD, w3_eHD, offs_e)
     regathered = _Regather(src_SD, layout)
 
     def pack(t: torch.Tensor) -> Any:
         return regathered if t is rows_RD else t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-        return _grouped_mm(rows_RD, w1_eHD, offs_e), _grouped_mm(rows_RD, w3_eHD, offs_e)
+        return _ProjectUp.apply(rows_RD, w1_eHD, w3_eHD, offs_e)
 
 
 def _routed_swiglu(src_SD, layout, w1_eHD, w2_eDH, w3_eHD, offs_e, scores_R):

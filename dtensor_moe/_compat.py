@@ -151,13 +151,8 @@ class _LocalViews(torch.autograd.Function):
         # Under create_graph=True (Note [Double backward] in dtensor_moe/moe/dispatch.py) the
         # direct wrap would cut the graph, so it wraps differentiably, as to_local's backward.
         wrap = _wrap_with_graph if torch.is_grad_enabled() else dtensor_from_local_spec
-        return (
-            None,
-            *(
-                None if g is None else wrap(g.contiguous(), spec)
-                for g, spec in zip(grads, ctx.grad_specs)
-            ),
-        )
+        pairs = zip(grads, ctx.grad_specs)
+        return None, *(None if g is None else wrap(g.contiguous(), spec) for g, spec in pairs)
 
 
 def _wrap_with_graph(local: torch.Tensor, spec: DTensorSpec) -> DTensor:

@@ -261,11 +261,12 @@ def _swiglu_bmm(
 # On the ``grouped_mm`` path, :meth:`GroupedExperts.compute` runs the experts as two steps:
 #
 # 1. the up projections, ``h1 = rows @ w1.T`` and ``h3 = rows @ w3.T``, where ``rows`` is the
-#    row gather of the source (``permute_tokens``). A ``saved_tensors_hooks`` pair keeps, in
-#    place of the ``R x D`` gathered rows that both projections save, their source and layout
-#    (:class:`_Regather`): backward gathers them again, once for both projections. The source is
-#    held anyway (by the router, or as the rows an exchange received);
-# 2. :func:`swiglu_down`, one op, ``s * ((silu(h1) * h3) @ w2.T)``: the SwiGLU product, the down
+#    row gather of the source (``permute_tokens``), as one autograd node (:class:`_ProjectUp`,
+#    which adds the two input gradients in place). A ``saved_tensors_hooks`` pair keeps, in
+#    place of the ``R x D`` gathered rows that node saves, their source and layout
+#    (:class:`_Regather`): backward gathers them again. The source is held anyway (by the
+#    router, or as the rows an exchange received);
+# 2. :func:`swiglu_down`, one node, ``s * ((silu(h1) * h3) @ w2.T)``: the SwiGLU product, the down
 #    projection and the row's combine weight. Its autograd formula keeps ``h1``, ``h3`` and the
 #    scores, recomputes ``silu(h1) * h3`` (elementwise), and gets the score gradient from the
 #    down projection's input gradient (``rowdot(g @ w2, h)``) instead of keeping the ``R x D``

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import re
 import subprocess
@@ -166,3 +167,23 @@ def test_hf_block_benchmark_checks_parity_and_prints_ratios():
                         out)
         assert err and max(float(err[1]), float(err[2])) < 1e-5, out
         assert re.search(rf"HF {impl}\s+[\d.]+\s+[\d.]+", out), out
+
+
+@pytest.mark.parametrize(
+    "layout", ["single"] + (["ep4"] if os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1" else [])
+)
+def test_against_baseline_times_both_layers_in_one_run(layout, tmp_path):
+    # this checkout against itself: both packages are imported, built with the same weights and
+    # stepped on the same data; the ratios are printed with their quartiles. CI runs "single"
+    # (about 10 s); DTENSOR_MOE_FULL_MATRIX=1 adds the 4-process "ep4" (about 25 s)
+    root = str(ROOT)
+    out = _run(
+        "benchmarks/against_baseline.py", "--baseline", root, "--layout", layout,
+        "--tokens", "64", "--dim", "32", "--hidden", "64", "--warmup", "1", "--repeats", "3",
+    )
+    assert f"layout={layout}" in out and f"baseline={root}" in out, out
+    for what in ("step (wall, slowest rank)", "process CPU per rank"):
+        assert re.search(rf"^{re.escape(what)}: this [\d.]+ ms, baseline [\d.]+ ms; this / "
+                         r"baseline [\d.]+ \(quartiles [\d.]+-[\d.]+\)$", out, re.M), out
+    err = _run("benchmarks/against_baseline.py", "--baseline", str(tmp_path), returncode=1)
+    assert f"--baseline {tmp_path}: no dtensor_moe package there" in err, err

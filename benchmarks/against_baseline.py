@@ -31,7 +31,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import time
 from typing import Any
 
 import torch
@@ -92,12 +91,6 @@ def _measure(args: Any, steps: dict[str, Any], params: list, sync: Any) -> dict[
     return times
 
 
-def _timed(fn: Any) -> tuple[float, float]:
-    cpu, wall = time.process_time(), time.perf_counter()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def _worker(rank: int, args: Any, port: int, queue: Any) -> None:
     base = _import_baseline(args.baseline)
     layout = moe_layer.PARALLEL[args.layout]
@@ -119,12 +112,7 @@ def _worker(rank: int, args: Any, port: int, queue: Any) -> None:
              zip(("this", "baseline"), layers)}  # fmt: skip
 
     def sync(fn: Any) -> tuple[float, float]:
-        dist.barrier()
-        wall, cpu = _timed(fn)
-        wall, cpu = torch.tensor([wall]), torch.tensor([cpu])
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-        dist.all_reduce(cpu)
-        return float(wall), float(cpu) / layout.world
+        return moe_layer._timed_over_ranks(fn, layout.world)
 
     params = [x, *layers[0].parameters(), *layers[1].parameters()]
     times = _measure(args, steps, params, sync)
@@ -141,7 +129,7 @@ def _run(args: Any) -> dict[str, list]:
         *layers, (x, grad_y) = _both_layers(args, base)
         steps = {name: moe_layer._step_fn(layer, x, grad_y) for name, layer in
                  zip(("this", "baseline"), layers)}  # fmt: skip
-        sync = moe_layer._timed_synced if args.device != "cpu" else _timed
+        sync = moe_layer._timed_synced if args.device != "cpu" else moe_layer._timed_cpu
         return _measure(args, steps, [x, *layers[0].parameters(), *layers[1].parameters()], sync)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

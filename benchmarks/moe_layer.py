@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import statistics
 import tempfile
@@ -166,6 +165,17 @@ def _timed_synced(fn: Callable[[], None]) -> tuple[float, float]:
         torch.accelerator.synchronize()
 
     return _timed_cpu(run)
+
+
+def _timed_over_ranks(fn: Callable[[], None], world: int) -> tuple[float, float]:
+    """One call of ``fn`` on every rank, between barriers: the slowest rank's wall time, and the
+    process CPU time (all threads) averaged over the ``world`` ranks."""
+    dist.barrier()
+    wall, cpu = _timed_cpu(fn)
+    wall, cpu = torch.tensor([wall]), torch.tensor([cpu])
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu)
+    return float(wall), float(cpu) / world
 
 
 def _step_fn(layer: Callable, x: torch.Tensor, grad_y: torch.Tensor) -> Callable[[], None]:
@@ -478,15 +488,9 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
         grouped_swiglu(routed_RD, w1, w2, w3, counts_e, path).backward(grad_RD)
 
     def synced(fn: Callable[[], None]) -> tuple[float, float]:
-        """Slowest rank's wall time, and process CPU time (all threads) averaged over ranks."""
         for t in (x, routed_RD, w1, w2, w3, *moe.parameters()):
             t.grad = None  # as after optimizer.zero_grad(): no accumulation in either
-        dist.barrier()
-        wall, cpu = _timed_cpu(fn)
-        wall, cpu = torch.tensor([wall]), torch.tensor([cpu])
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-        dist.all_reduce(cpu)
-        return float(wall), float(cpu) / layout.world
+        return _timed_over_ranks(fn, layout.world)
 
     fns = {"step": step}
     if args.compile:

@@ -323,3 +323,32 @@ def test_layer_step_binds_no_autograd_function_signature():
     assert any("forward" in str(c) for c in calls[len(eager):]), calls
     for name, p in moe.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_eager_layer_calls_no_custom_op():
+    """The package's ``torch.library`` ops (``dtensor_moe::grouped_mm``,
+    ``grouped_mm_weight_grad``, ``swiglu_down``) are for ``torch.compile`` only: an eager
+    forward + backward of the layer (default path, with recompute, and the plain path)
+    dispatches none of them, and the ops are registered."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dtensor_moe import MoE, MoEConfig
+
+    class Namespaces(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.namespace)
+            return func(*args, **(kwargs or {}))
+
+    for options in ({}, {"recompute_experts": True}, {"fused_routed_step": False}):
+        torch.manual_seed(0)
+        moe = MoE(MoEConfig(dim=16, hidden_dim=32, num_experts=4, top_k=2, **options))
+        x = torch.randn(2, 5, 16, requires_grad=True)
+        with Namespaces() as mode:
+            moe(x).square().sum().backward()
+        assert "aten" in mode.seen and "dtensor_moe" not in mode.seen, (options, mode.seen)
+    for name in ("grouped_mm", "grouped_mm_weight_grad", "swiglu_down"):
+        assert hasattr(torch.ops.dtensor_moe, name), name

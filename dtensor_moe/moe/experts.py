@@ -367,13 +367,7 @@ class _SwigluDown(torch.autograd.Function):
         return _swiglu_down_backward(ctx, grad_RD)
 
 
-def swiglu_down(
-    h1_RH: torch.Tensor,
-    h3_RH: torch.Tensor,
-    w2_eDH: torch.Tensor,
-    offs_e: torch.Tensor,
-    scores_R: torch.Tensor | None,
-) -> torch.Tensor:
+def swiglu_down(h1_RH, h3_RH, w2_eDH, offs_e, scores_R: torch.Tensor | None) -> torch.Tensor:
     """``scores_R[:, None] * ((silu(h1_RH) * h3_RH) @ w2_eDH[i].T)`` per row group ending at
     ``offs_e``; ``scores_R=None``: unscaled. Note [The routed SwiGLU in two steps]. While
     compiling it is the op ``dtensor_moe::swiglu_down`` (registered with ``torch.library``);

@@ -275,7 +275,7 @@ class PositionalApply:
 
     @classmethod
     def apply(cls, *args: Any) -> Any:
-        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        if functorch_active() or torch.compiler.is_compiling():
             return super().apply(*args)  # type: ignore[misc]
         return super(torch.autograd.Function, cls).apply(*args)  # type: ignore[misc]
 

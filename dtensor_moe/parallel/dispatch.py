@@ -40,7 +40,7 @@ Note [Packed rows]
 The experts apply the combine weights (``swiglu_down``), so each row travels with its weight:
 ``(N, D + 1)``, the weight as the last column, one all-to-all. ``permute_tokens`` gathers the
 rows straight into that buffer (``extra_N``; the static exchange, whose layout has padding
-rows, appends the column with a ``cat``). On arrival ``_Unpack`` returns the rows and the
+rows, copies its gathered rows and the column into one, ``_with_column``). On arrival ``_Unpack`` returns the rows and the
 weights as views of that buffer, and its backward packs their gradients the same way, so the
 reverse exchange is one all-to-all too. Sending them as two tensors costs a second collective
 each way (gloo: a few ms of latency each on CPU), for ``N`` numbers.

@@ -230,12 +230,14 @@ class _PermuteTokens(_compat.PositionalApply, torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         row_TK, bag_offsets = ctx.saved_tensors
-        grad_RD, grad_N = (grad_RD[:, :-1], grad_RD[:, -1]) if ctx.extra else (grad_RD, None)
-        if ctx.void_row:
-            grad_RD = _with_void_row(grad_RD)
-        if bag_offsets is not None:  # some of each token's pairs (a subset_layout)
-            return _sum_bags(grad_RD, row_TK, bag_offsets, ctx.num_tokens), *(None,) * 6, grad_N
-        return sum_rows(grad_RD, row_TK), *(None,) * 6, grad_N
+        grad = _with_void_row(grad_RD) if ctx.void_row else grad_RD
+        if bag_offsets is None:
+            grad_TD = sum_rows(grad, row_TK)
+        else:  # some of each token's pairs (a subset_layout)
+            grad_TD = _sum_bags(grad, row_TK, bag_offsets, ctx.num_tokens)
+        # the extra column is summed along (no copy of a strided view), then cut off
+        out = (grad_TD[:, :-1], grad_RD[:, -1]) if ctx.extra else (grad_TD, None)
+        return out[0], *(None,) * 6, out[1]
 
 
 def _sum_bags(

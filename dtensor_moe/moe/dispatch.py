@@ -16,8 +16,8 @@ communication. An expert-parallel subclass overrides ``dispatch``/``combine`` an
 exchange between the steps: sort by global expert without padding, permute, scale, all-to-all
 (counts, then tokens), then sort the received rows by *local* expert with padding by calling
 :func:`sort_by_expert` again on ``(rows, 1)`` local ids, and the reverse in combine. Everything
-one forward needs goes into its metadata (a frozen dataclass that may subclass
-:class:`DispatchMetadata`), never onto ``self``.
+one forward needs goes into the frozen values the stages return (:class:`Routed`,
+:class:`Received`), never onto ``self``.
 
 Note [Deterministic combine]: outside a double backward, no step accumulates with atomics or
 ``index_add``. Forward gathers rows by index. The combine sums each token's ``K`` rows (the
@@ -37,6 +37,7 @@ same output bits.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ __all__ = [
     "Received",
     "Routed",
     "TokenDispatcher",
+    "in_order",
     "permute_tokens",
     "scores_in_rows",
     "sort_by_expert",
@@ -78,10 +80,13 @@ class ExpertLayout:
         bag_offsets: set when the layout holds only some of each token's pairs (a
             :func:`subset_layout`): then ``row_TK`` is 1-D, the rows of the pairs it holds in
             token order, and token ``t``'s rows start at ``bag_offsets[t]``.
+
+    ``token_N`` and ``order_N`` are ``None`` in a layout of rows already in buffer order
+    (:func:`in_order`).
     """
 
-    token_N: torch.Tensor
-    order_N: torch.Tensor
+    token_N: torch.Tensor | None
+    order_N: torch.Tensor | None
     row_N: torch.Tensor | None
     row_TK: torch.Tensor
     counts_e: torch.Tensor
@@ -281,6 +286,13 @@ def subset_layout(
     )
 
 
+def in_order(layout: ExpertLayout) -> ExpertLayout:
+    """``layout`` for rows that are already in its buffer order (gathered by the caller, as the
+    received rows of an exchange): :func:`permute_tokens` and :func:`scores_in_rows` take them
+    as they are."""
+    return dataclasses.replace(layout, token_N=None, order_N=None, row_N=None)
+
+
 def permute_tokens(
     x_TD: torch.Tensor, layout: ExpertLayout, extra_N: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -289,8 +301,10 @@ def permute_tokens(
     The backward gathers the ``K`` row gradients of each token and adds them in ``k`` order
     (see Note [Deterministic combine]); padding rows give no gradient. ``extra_N``: one value
     per row, written as a last column (``(R, D + 1)``, one buffer); only for a layout without
-    padding (``row_N`` None).
+    padding (``row_N`` None). A layout :func:`in_order` returns ``x_TD`` itself.
     """
+    if layout.token_N is None:
+        return x_TD
     if extra_N is not None and layout.row_N is not None:
         raise ValueError("permute_tokens: extra_N needs a layout without padding rows (row_N None)")
     return _PermuteTokens.apply(
@@ -300,7 +314,10 @@ def permute_tokens(
 
 
 def scores_in_rows(scores_TK: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """The score of each routed-buffer row (0 on padding rows), differentiable."""
+    """The score of each routed-buffer row (0 on padding rows), differentiable. A layout
+    :func:`in_order` takes the scores as they are."""
+    if layout.order_N is None:
+        return scores_TK.reshape(-1)
     scores_N = scores_TK.reshape(-1).index_select(0, layout.order_N)
     if layout.row_N is None:
         return scores_N

@@ -643,8 +643,9 @@ class GroupedExperts(nn.Module):
         """The expert rows of ``layout``, gathered from ``source_SD``, through their experts:
         ``out_RD``, in the layout's row order (padding rows zero).
 
-        ``scores``: each pair's combine weight (indexed by ``layout.order_N``), applied to the
-        expert output, or before the experts with ``score_before_experts``; ``None``: unscaled.
+        ``scores``: each pair's combine weight (indexed by ``layout.order_N``; in row order
+        for a layout :func:`~dtensor_moe.moe.dispatch.in_order`), applied to the expert output,
+        or before the experts with ``score_before_experts``; ``None``: unscaled.
         ``weights``: :meth:`local_weights`, when the caller has them. ``keep_rows``: keep the
         gathered rows for backward rather than gather them again (when nothing else keeps the
         source). What is kept for backward: Note [The routed SwiGLU in two steps]. It is

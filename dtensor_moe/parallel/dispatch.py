@@ -19,8 +19,9 @@ Experts are ``Shard(0)`` over the EP ranks: EP rank ``p`` holds global experts
    per-destination counts, equal splits), sort the rows by destination rank and local expert
    while it runs, wait, then start the exchange of the rows with their combine weights
    (Note [Packed rows]; variable splits read on the host, one sync).
-2. ``receive``: wait for them; their order by local expert (``sort_by_expert`` on ``(M, 1)``
-   local ids, with alignment padding) was computed while they travelled.
+2. ``receive``: wait for them and gather them, with their weights, into local-expert order
+   (``sort_by_expert`` on ``(M, 1)`` local ids, with alignment padding, computed while they
+   travelled).
 3. ``send_back``: the expert outputs, already weighted, back in arrival order, start the
    reverse exchange.
 4. ``combine``: wait, put the own rows' outputs after the returned ones, and sum each token's
@@ -40,10 +41,12 @@ Note [Packed rows]
 The experts apply the combine weights (``swiglu_down``), so each row travels with its weight:
 ``(N, D + 1)``, the weight as the last column, one all-to-all. ``permute_tokens`` gathers the
 rows straight into that buffer (``extra_N``; the static exchange, whose layout has padding
-rows, copies its gathered rows and the column into one, ``_with_column``). On arrival ``_Unpack`` returns the rows and the
-weights as views of that buffer, and its backward packs their gradients the same way, so the
-reverse exchange is one all-to-all too. Sending them as two tensors costs a second collective
-each way (gloo: a few ms of latency each on CPU), for ``N`` numbers.
+rows, copies its gathered rows and the column into one, ``_with_column``), and its backward sums
+the packed gradient whole and drops the column's sums. On arrival ``_InExpertOrder`` gathers
+the rows and the weights from the buffer into local-expert order, and its backward writes
+their gradients into one such buffer, so the reverse exchange is one all-to-all too. Sending
+them as two tensors costs a second collective each way (gloo: a few ms of latency each on
+CPU), for ``N`` numbers; packing the two gradients after the fact costs an ``M x D`` copy.
 
 Note [Expert TP by all-to-all]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -94,6 +97,7 @@ from dtensor_moe.moe.dispatch import (
     Received,
     Routed,
     TokenDispatcher,
+    in_order,
     permute_tokens,
     scores_in_rows,
     sort_by_expert,
@@ -140,18 +144,27 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     )
 
 
-class _Unpack(torch.autograd.Function):
-    """Rows ``(M, D)`` and weights ``(M,)`` as views of the ``(M, D + 1)`` buffer they travelled
-    in; the backward packs their gradients the same way, into one buffer for one collective
-    (autograd's two slice backwards would each allocate the whole buffer and add them)."""
+class _InExpertOrder(torch.autograd.Function):
+    """The received rows ``(R, D)`` and their combine weights ``(R,)`` in local-expert order
+    (the received layout's buffer, padding rows zero), gathered from the ``(M, D + 1)`` buffer
+    they travelled in (Note [Packed rows]); the backward writes both gradients into one such
+    buffer, in arrival order, for one collective back."""
 
     @staticmethod
-    def forward(ctx: Any, packed_MD1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return packed_MD1[:, :-1], packed_MD1[:, -1]
+    def forward(ctx: Any, packed_MD1: torch.Tensor, layout: ExpertLayout) -> tuple:
+        ctx.save_for_backward(layout.row_TK.reshape(-1))
+        rows_MD, scores_M1 = packed_MD1[:, :-1], packed_MD1[:, -1:]
+        return permute_tokens(rows_MD, layout), scores_in_rows(scores_M1, layout)
 
     @staticmethod
-    def backward(ctx: Any, grad_MD: torch.Tensor, grad_M: torch.Tensor) -> torch.Tensor:
-        return _with_column(grad_MD, grad_M)
+    def backward(ctx: Any, grad_RD: torch.Tensor, grad_R: torch.Tensor) -> tuple:
+        (row_M,) = ctx.saved_tensors  # each arrival's row in expert order
+        if torch.is_grad_enabled():  # create_graph: ops that record (out= records nothing)
+            return torch.cat((grad_RD[row_M], grad_R[row_M, None]), -1), None
+        packed_MD1 = grad_RD.new_empty(row_M.numel(), grad_RD.shape[1] + 1)
+        torch.index_select(grad_RD, 0, row_M, out=packed_MD1[:, :-1])
+        torch.index_select(grad_R, 0, row_M, out=packed_MD1[:, -1])
+        return packed_MD1, None
 
 
 def _with_column(t_ND: torch.Tensor, col_N: torch.Tensor) -> torch.Tensor:
@@ -511,8 +524,8 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         (arrived,) = scatter_wait(exchange, *buffers)
         if self.score_before_experts:
             return Received(rows=arrived, scores=None, layout=ex.received)
-        rows_MD, scores_M = _Unpack.apply(arrived)
-        return Received(rows=rows_MD, scores=scores_M, layout=ex.received)
+        rows_RD, scores_R = _InExpertOrder.apply(arrived, ex.received)
+        return Received(rows=rows_RD, scores=scores_R, layout=in_order(ex.received))
 
     def send_back(self, out_RD: torch.Tensor, routed: Routed) -> torch.Tensor | None:
         """Start returning the received rows' outputs, back in arrival order."""

@@ -95,6 +95,14 @@ def _launch(ex: Exchange, outs: list, ins: list, out_splits, in_splits) -> None:
         _after_launch()
 
 
+def _started(ex: Exchange) -> tuple[tuple[torch.Tensor, ...], Exchange]:
+    """The buffers and the exchange that the backward of ``ex``'s wait started (the reverse
+    move), handed to the backward of its start, which waits for them; ``ex`` lets go of them."""
+    pending, mirror = ex.pending, ex.mirror
+    ex.pending = ex.mirror = None
+    return pending, mirror
+
+
 class _ScatterStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, ex: Exchange, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -105,11 +113,8 @@ class _ScatterStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        ex = ctx.ex
-        pending, mirror = ex.pending, ex.mirror  # started by _ScatterWait.backward
-        ex.pending = ex.mirror = None
-        n = len(pending)
-        return None, *_GatherWait.apply(mirror, *pending, *grads[n:])
+        pending, mirror = _started(ctx.ex)  # by _ScatterWait.backward
+        return None, *_GatherWait.apply(mirror, *pending, *grads[len(pending) :])
 
 
 class _ScatterWait(torch.autograd.Function):
@@ -138,9 +143,7 @@ class _GatherStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        ex = ctx.ex
-        pending, mirror = ex.pending, ex.mirror  # started by _GatherWait.backward
-        ex.pending = ex.mirror = None
+        pending, mirror = _started(ctx.ex)  # by _GatherWait.backward
         return None, *_ScatterWait.apply(mirror, *pending)
 
 

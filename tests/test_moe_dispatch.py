@@ -352,3 +352,47 @@ def test_eager_layer_calls_no_custom_op():
         assert "aten" in mode.seen and "dtensor_moe" not in mode.seen, (options, mode.seen)
     for name in ("grouped_mm", "grouped_mm_weight_grad", "swiglu_down"):
         assert hasattr(torch.ops.dtensor_moe, name), name
+
+
+def test_in_order_layout_passes_rows_and_scores_through():
+    """``in_order(layout)``: rows already in the buffer's order are taken as they are."""
+    from dtensor_moe.moe import in_order
+
+    _, ids_TK, counts_E = routing(T=6, K=2)
+    layout = in_order(sort_by_expert(ids_TK, counts_E))
+    rows_RD, scores_R = torch.randn(12, D), torch.rand(12)
+    assert permute_tokens(rows_RD, layout) is rows_RD
+    assert torch.equal(scores_in_rows(scores_R, layout), scores_R)
+
+
+@pytest.mark.parametrize("pad_multiple", [1, 4])
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_received_rows_in_expert_order(pad_multiple, create_graph):
+    """The received rows of an exchange and their weights, gathered from their packed
+    ``(M, D + 1)`` buffer into local-expert order (padding rows zero), and the backward that
+    writes both gradients into one packed buffer in arrival order (``index_select`` into its two
+    views; ops that record a graph under ``create_graph``): against explicit indexing."""
+    from dtensor_moe.parallel.dispatch import _InExpertOrder
+
+    g = torch.Generator().manual_seed(3)
+    M, e = 11, 3
+    local_M1 = torch.randint(0, e, (M, 1), generator=g)
+    layout = sort_by_expert(local_M1, torch.bincount(local_M1.reshape(-1), minlength=e),
+                            pad_multiple=pad_multiple)  # fmt: skip
+    packed = torch.randn(M, D + 1, generator=g, dtype=torch.float64, requires_grad=True)
+    rows_RD, scores_R = _InExpertOrder.apply(packed, layout)
+    row_M = layout.row_TK.reshape(-1)  # each arrival's row
+    expected_rows = torch.zeros(layout.num_rows, D, dtype=torch.float64)
+    expected_rows[row_M] = packed.detach()[:, :-1]
+    expected_scores = torch.zeros(layout.num_rows, dtype=torch.float64)
+    expected_scores[row_M] = packed.detach()[:, -1]
+    assert torch.equal(rows_RD, expected_rows) and torch.equal(scores_R, expected_scores)
+    grad_RD = torch.randn(layout.num_rows, D, generator=g, dtype=torch.float64)
+    grad_R = torch.randn(layout.num_rows, generator=g, dtype=torch.float64)
+    if create_graph:
+        grad_RD.requires_grad_()
+    (grad,) = torch.autograd.grad((rows_RD, scores_R), packed, (grad_RD, grad_R),
+                                  create_graph=create_graph)  # fmt: skip
+    assert torch.equal(grad[:, :-1], grad_RD.detach()[row_M])
+    assert torch.equal(grad[:, -1], grad_R[row_M])
+    assert grad.requires_grad == create_graph

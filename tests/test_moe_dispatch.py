@@ -21,12 +21,14 @@ from dtensor_moe.moe import (
     Routed,
     TokenDispatcher,
     grouped_swiglu,
+    in_order,
     permute_tokens,
     scores_in_rows,
     sort_by_expert,
 )
 from dtensor_moe.moe.dispatch import unpermute_and_reduce
 from dtensor_moe.moe.experts import resolve_compute_path
+from dtensor_moe.parallel.dispatch import _InExpertOrder
 
 D, H, E = 16, 32, 4
 
@@ -356,8 +358,6 @@ def test_eager_layer_calls_no_custom_op():
 
 def test_in_order_layout_passes_rows_and_scores_through():
     """``in_order(layout)``: rows already in the buffer's order are taken as they are."""
-    from dtensor_moe.moe import in_order
-
     _, ids_TK, counts_E = routing(T=6, K=2)
     layout = in_order(sort_by_expert(ids_TK, counts_E))
     rows_RD, scores_R = torch.randn(12, D), torch.rand(12)
@@ -372,8 +372,6 @@ def test_received_rows_in_expert_order(pad_multiple, create_graph):
     ``(M, D + 1)`` buffer into local-expert order (padding rows zero), and the backward that
     writes both gradients into one packed buffer in arrival order (``index_select`` into its two
     views; ops that record a graph under ``create_graph``): against explicit indexing."""
-    from dtensor_moe.parallel.dispatch import _InExpertOrder
-
     g = torch.Generator().manual_seed(3)
     M, e = 11, 3
     local_M1 = torch.randint(0, e, (M, 1), generator=g)

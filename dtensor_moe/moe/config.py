@@ -79,14 +79,15 @@ class MoEConfig:
             ``shared_expert_gate``); needs ``num_shared_experts > 0``.
         compute_path: ``"auto"``, ``"grouped_mm"``, ``"loop"`` or ``"bmm"``.
         pad_multiple: pad each expert's token group to a multiple of this (``1``: no padding).
-        recompute_experts: keep only the routed experts' input for backward and recompute their
-            hidden pre-activations there (two more grouped matmuls per backward, the least
-            activation memory); ``False`` keeps the two pre-activations. Results are identical
-            either way. See Note [What the experts save for backward] in ``experts.py``.
-        fused_routed_step: on the single-process ``grouped_mm`` path (no padding, scores in
-            combine), run token gather, experts and combine as one autograd node that saves less
-            for backward (``True``), or always the plain path (``False``). Outputs and gradients
-            are the same bits either way.
+        recompute_experts: keep only the routed experts' input for backward and recompute the
+            expert math there (three more grouped matmuls per backward, the least activation
+            memory); ``False`` keeps the two pre-activations. Results are identical either way.
+            See Note [What the experts save for backward] in ``experts.py``.
+        fused_routed_step: on the ``grouped_mm`` path (one process and under expert
+            parallelism), run the routed SwiGLU in two steps whose backward keeps less: the
+            gathered rows are gathered again and the expert outputs are not kept (Note [The
+            routed SwiGLU in two steps] in ``experts.py``); ``False``: plain autograd. Outputs
+            are the same bits either way, gradients the same up to float rounding.
         capacity_factor: each expert takes at most ``ceil(capacity_factor * T * K / E)``
             of the (token, expert) pairs of one forward's batch of ``T`` tokens and drops the
             rest; ``None`` (default): dropless. See Note [Expert capacity] in ``capacity.py``.

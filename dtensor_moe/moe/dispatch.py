@@ -479,9 +479,11 @@ class Routed:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Received:
-    """The rows another rank sent here (:meth:`TokenDispatcher.receive`): ``rows`` ``(M, D)``
-    in arrival order, their ``scores`` ``(M,)`` and the ``layout`` grouping them by local
-    expert."""
+    """The rows other ranks sent here (:meth:`TokenDispatcher.receive`): ``rows``, their
+    ``scores`` and the ``layout`` that groups them by local expert, for
+    :meth:`GroupedExperts.compute`. ``rows`` is the layout's source: ``(M, D)`` in arrival order
+    (scores ``(M,)``), or already in the layout's buffer order, ``(R, D)`` and ``(R,)``, with a
+    layout :func:`in_order` (``AllToAllTokenDispatcher`` gathers them so)."""
 
     rows: torch.Tensor
     scores: torch.Tensor | None

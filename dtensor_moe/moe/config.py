@@ -57,7 +57,8 @@ class MoEConfig:
             routing; ``None`` disables it.
         num_limited_groups: with ``num_expert_groups``, the number of groups each token may use.
         score_before_experts: multiply routed tokens by their score before the experts (``True``)
-            or the expert outputs in combine (``False``).
+            or, inside the experts, each row's SwiGLU product before the down projection
+            (``False``: the same as weighting the expert output, up to float rounding).
         use_expert_bias: keep an auxiliary-loss-free expert bias that changes expert selection
             only; update it with :func:`~dtensor_moe.moe.update_expert_bias`.
         aux_loss_coeff: coefficient of the auxiliary balance loss; ``0`` disables it.
@@ -85,7 +86,7 @@ class MoEConfig:
             See Note [What the experts save for backward] in ``experts.py``.
         fused_routed_step: on the ``grouped_mm`` path (one process and under expert
             parallelism), run the routed SwiGLU in two steps whose backward keeps less: the
-            gathered rows are gathered again and the expert outputs are not kept (Note [The
+            gathered rows are gathered again and the SwiGLU products are not kept (Note [The
             routed SwiGLU in two steps] in ``experts.py``); ``False``: plain autograd. Outputs
             are the same bits either way, gradients the same up to float rounding.
         capacity_factor: each expert takes at most ``ceil(capacity_factor * T * K / E)``

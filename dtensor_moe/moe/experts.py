@@ -223,10 +223,17 @@ def _swiglu_grouped_mm(
     w2_eDH: torch.Tensor,
     w3_eHD: torch.Tensor,
     counts_e: torch.Tensor,
+    scores_R: torch.Tensor | None = None,
 ) -> torch.Tensor:
     offs_e = _group_ends(counts_e.to(x_RD.device))
     h_RH = F.silu(_grouped_mm(x_RD, w1_eHD, offs_e)) * _grouped_mm(x_RD, w3_eHD, offs_e)
-    return _grouped_mm(h_RH, w2_eDH, offs_e)
+    return _grouped_mm(_scaled(h_RH, scores_R), w2_eDH, offs_e)
+
+
+def _scaled(h_RH: torch.Tensor, scores_R: torch.Tensor | None) -> torch.Tensor:
+    """The SwiGLU products scaled by their rows' combine weights (before the down projection,
+    Note [The routed SwiGLU in two steps]); ``None``: unscaled."""
+    return h_RH if scores_R is None else h_RH * scores_R.unsqueeze(-1)
 
 
 def _swiglu_loop(
@@ -235,11 +242,13 @@ def _swiglu_loop(
     w2_eDH: torch.Tensor,
     w3_eHD: torch.Tensor,
     counts: Sequence[int],
+    scores_R: torch.Tensor | None = None,
 ) -> torch.Tensor:
     outs = []
-    for i, x_cD in enumerate(torch.split(x_RD, list(counts))):
+    scores = [None] * len(counts) if scores_R is None else torch.split(scores_R, list(counts))
+    for i, (x_cD, s_c) in enumerate(zip(torch.split(x_RD, list(counts)), scores, strict=True)):
         h_cH = F.silu(x_cD @ w1_eHD[i].T) * (x_cD @ w3_eHD[i].T)
-        outs.append(h_cH @ w2_eDH[i].T)
+        outs.append(_scaled(h_cH, s_c) @ w2_eDH[i].T)
     return torch.cat(outs)
 
 
@@ -249,11 +258,14 @@ def _swiglu_bmm(
     w2_eDH: torch.Tensor,
     w3_eHD: torch.Tensor,
     count: int,
+    scores_R: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    x_ecD = x_RD.view(w1_eHD.shape[0], count, x_RD.shape[-1])
+    e = w1_eHD.shape[0]
+    x_ecD = x_RD.view(e, count, x_RD.shape[-1])
     gate_ecH = torch.bmm(x_ecD, w1_eHD.transpose(1, 2))
     up_ecH = torch.bmm(x_ecD, w3_eHD.transpose(1, 2))
-    return torch.bmm(F.silu(gate_ecH) * up_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
+    h_ecH = _scaled(F.silu(gate_ecH) * up_ecH, None if scores_R is None else scores_R.view(e, count))
+    return torch.bmm(h_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
 
 
 # Note [The routed SwiGLU in two steps]
@@ -266,11 +278,11 @@ def _swiglu_bmm(
 #    place of the ``R x D`` gathered rows that node saves, their source and layout
 #    (:class:`_Regather`): backward gathers them again. The source is held anyway (by the
 #    router, or as the rows an exchange received);
-# 2. :func:`swiglu_down`, one node, ``s * ((silu(h1) * h3) @ w2.T)``: the SwiGLU product, the down
-#    projection and the row's combine weight. Its autograd formula keeps ``h1``, ``h3`` and the
-#    scores, recomputes ``silu(h1) * h3`` (elementwise), and gets the score gradient from the
-#    down projection's input gradient (``rowdot(g @ w2, h)``) instead of keeping the ``R x D``
-#    expert outputs.
+# 2. :func:`swiglu_down`, one node, ``(s * silu(h1) * h3) @ w2.T``: the SwiGLU product, the
+#    row's combine weight (on the ``R x H`` product, narrower than the ``R x D`` output) and the
+#    down projection. Its autograd formula keeps ``h1``, ``h3`` and the scores, recomputes
+#    ``silu(h1) * h3`` (elementwise), and gets the score gradient from the down projection's
+#    input gradient (``rowdot(g @ w2, h)``).
 #
 # Forward and backward then run 9 grouped matmuls, as plain autograd does, and keep the source,
 # ``h1``, ``h3`` and ``O(R)`` indices and scores. Every backward may run more than once
@@ -279,8 +291,8 @@ def _swiglu_bmm(
 # ``recompute_experts=True`` checkpoints both steps (``torch.utils.checkpoint``): only the source
 # is kept, and backward runs both steps again (12 grouped matmuls: the down projection's
 # saved inputs are packed after it runs, so checkpoint's early stop comes after it).
-# ``fused_routed_step=False`` runs plain autograd on :func:`grouped_swiglu` and a
-# multiplication by the scores. Under ``torch.func`` transforms
+# ``fused_routed_step=False`` runs plain autograd on the same math (the scores scale the
+# products before the down projection: the same output bits). Under ``torch.func`` transforms
 # (which run no custom-op formula and no saved-tensor hook) the experts take the plain path, and
 # while compiling the rows are saved as they are (the partitioner decides what to keep); the
 # results are the same up to float rounding.
@@ -310,8 +322,9 @@ def _swiglu_down_body(
     scores_R: torch.Tensor | None,
 ) -> torch.Tensor:
     h_RH = F.silu(h1_RH).mul_(h3_RH)
-    out_RD = torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
-    return out_RD if scores_R is None else out_RD.mul_(scores_R.unsqueeze(-1))
+    if scores_R is not None:  # on the R x H products, narrower than the R x D outputs
+        h_RH.mul_(scores_R.unsqueeze(-1))
+    return torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
 
 
 _swiglu_down_op = torch.library.custom_op("dtensor_moe::swiglu_down", mutates_args=())(
@@ -332,22 +345,21 @@ def _swiglu_down_backward(ctx: Any, grad_RD: torch.Tensor) -> tuple:
     h1, h3, w2, offs, s = ctx.saved_tensors
     need = ctx.needs_input_grad
     g = grad_RD.contiguous()  # Note [grouped_mm expanded grad]
+    # products of fresh tensors are taken in place unless a graph is being built
+    mul = torch.mul if torch.is_grad_enabled() else torch.Tensor.mul_
     act = F.silu(h1)
     h = act * h3
     u = _grouped_mm(g, w2.transpose(-2, -1), offs)  # g @ w2[e]: before the scores
     grad_s = None if s is None or not need[4] else (u * h).sum(-1)
-    # the scores scale u (fresh: in place unless a graph is being built) and, for grad_w2, the
-    # narrower of h (R x H) and g (R x D): (s * g).T @ h == g.T @ (s * h)
-    if s is not None:
-        u = u * s[:, None] if torch.is_grad_enabled() else u.mul_(s[:, None])
-        h, g = (h * s[:, None], g) if h.shape[1] <= g.shape[1] else (h, g * s[:, None])
+    if s is not None:  # the scores scale u and, for grad_w2, h
+        u, h = mul(u, s[:, None]), mul(h, s[:, None])
     grad_w2 = _gmm_weight_grad(g, h, offs) if need[2] else None
     if torch.is_grad_enabled():  # create_graph: silu_backward has no derivative
         sig = torch.sigmoid(h1)
         grad_h1 = u * h3 * (sig * (1 + h1 * (1 - sig)))
     else:
         grad_h1 = torch.ops.aten.silu_backward(u * h3, h1)
-    return grad_h1, (u * act if torch.is_grad_enabled() else u.mul_(act)), grad_w2, None, grad_s
+    return grad_h1, mul(u, act), grad_w2, None, grad_s
 
 
 _swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
@@ -368,7 +380,7 @@ class _SwigluDown(torch.autograd.Function):
 
 
 def swiglu_down(h1_RH, h3_RH, w2_eDH, offs_e, scores_R: torch.Tensor | None) -> torch.Tensor:
-    """``scores_R[:, None] * ((silu(h1_RH) * h3_RH) @ w2_eDH[i].T)`` per row group ending at
+    """``(scores_R[:, None] * silu(h1_RH) * h3_RH) @ w2_eDH[i].T`` per row group ending at
     ``offs_e``; ``scores_R=None``: unscaled. Note [The routed SwiGLU in two steps]. While
     compiling it is the op ``dtensor_moe::swiglu_down`` (registered with ``torch.library``);
     in eager mode an autograd Function with the same body and formula."""
@@ -465,8 +477,9 @@ def grouped_swiglu(
         return _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path)
 
 
-def _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path) -> torch.Tensor:
-    """:func:`grouped_swiglu` after its checks: resolve the path and run it."""
+def _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path, scores_R=None) -> torch.Tensor:
+    """:func:`grouped_swiglu` after its checks: resolve the path and run it. ``scores_R``: each
+    row's combine weight, applied to its SwiGLU product (as :func:`swiglu_down` does)."""
     counts = _host_counts(counts_e, path)
     chosen = resolve_compute_path(path, x_RD, w1_eHD, counts)
     if chosen != "grouped_mm" and counts is None:
@@ -477,10 +490,10 @@ def _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path) -> torch.Tenso
     if chosen == "grouped_mm":
         if not isinstance(counts_e, torch.Tensor):
             counts_e = torch.tensor(counts, dtype=torch.int64)
-        return _swiglu_grouped_mm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e)
+        return _swiglu_grouped_mm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, scores_R)
     if chosen == "bmm":
-        return _swiglu_bmm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts[0])
-    return _swiglu_loop(x_RD, w1_eHD, w2_eDH, w3_eHD, counts)
+        return _swiglu_bmm(x_RD, w1_eHD, w2_eDH, w3_eHD, counts[0], scores_R)
+    return _swiglu_loop(x_RD, w1_eHD, w2_eDH, w3_eHD, counts, scores_R)
 
 
 def _host_counts(counts_e: torch.Tensor | Sequence[int], path: ComputePath) -> list[int] | None:
@@ -710,15 +723,13 @@ class GroupedExperts(nn.Module):
         rows_RD = permute_tokens(source_SD, layout)
         if first and scores_R is not None:
             rows_RD = rows_RD * scores_R.unsqueeze(-1)
+        scores_R = None if first else scores_R  # else on the SwiGLU products, as swiglu_down
         if self.recompute_experts and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            out_RD = torch.utils.checkpoint.checkpoint(
-                _swiglu_on_path, rows_RD, w1, w2, w3, layout.counts_e, path, use_reentrant=False
-            )
-        else:
-            out_RD = _swiglu_on_path(rows_RD, w1, w2, w3, layout.counts_e, path)
-        if first or scores_R is None:
-            return out_RD
-        return out_RD * scores_R.unsqueeze(-1)
+            return torch.utils.checkpoint.checkpoint(
+                _swiglu_on_path, rows_RD, w1, w2, w3, layout.counts_e, path, scores_R,
+                use_reentrant=False,
+            )  # fmt: skip
+        return _swiglu_on_path(rows_RD, w1, w2, w3, layout.counts_e, path, scores_R)
 
     def _path(self, rows: torch.Tensor, w1_eHD: torch.Tensor, counts_e: torch.Tensor) -> str:
         """The compute path for these rows and counts: the one decision that depends on the

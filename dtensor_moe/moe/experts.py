@@ -264,7 +264,8 @@ def _swiglu_bmm(
     x_ecD = x_RD.view(e, count, x_RD.shape[-1])
     gate_ecH = torch.bmm(x_ecD, w1_eHD.transpose(1, 2))
     up_ecH = torch.bmm(x_ecD, w3_eHD.transpose(1, 2))
-    h_ecH = _scaled(F.silu(gate_ecH) * up_ecH, None if scores_R is None else scores_R.view(e, count))
+    scores_ec = None if scores_R is None else scores_R.view(e, count)
+    h_ecH = _scaled(F.silu(gate_ecH) * up_ecH, scores_ec)
     return torch.bmm(h_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
 
 

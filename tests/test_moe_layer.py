@@ -153,6 +153,19 @@ def test_bmm_path_matches_reference():
     assert_matches_reference(make_moe(top_k=E, compute_path="bmm"), torch.randn(2, 5, D))
 
 
+@pytest.mark.parametrize("hidden", [8, 2 * D], ids=["H<D", "H>D"])
+def test_combine_weights_on_the_narrower_side(hidden):
+    """The combine weights scale the SwiGLU products (``H <= D``) or the expert outputs: both
+    sides match the reference on every path (``top_k == E``: equal counts, so ``bmm`` runs), and
+    the default (fused) path gives the plain path's output bits."""
+    x = torch.randn(2, 5, D)
+    for options in ({}, dict(fused_routed_step=False), dict(compute_path="loop"),
+                    dict(compute_path="bmm"), dict(recompute_experts=True)):
+        assert_matches_reference(make_moe(hidden_dim=hidden, top_k=E, **options), x)
+    fused, plain = make_moe(hidden_dim=hidden), make_moe(hidden_dim=hidden, fused_routed_step=False)
+    assert torch.equal(fused(x), plain(x))
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

@@ -57,8 +57,9 @@ class MoEConfig:
             routing; ``None`` disables it.
         num_limited_groups: with ``num_expert_groups``, the number of groups each token may use.
         score_before_experts: multiply routed tokens by their score before the experts (``True``)
-            or, inside the experts, each row's SwiGLU product before the down projection
-            (``False``: the same as weighting the expert output, up to float rounding).
+            or, inside the experts (``False``), each row's SwiGLU product before the down
+            projection or its output after it, whichever is narrower (the same up to float
+            rounding).
         use_expert_bias: keep an auxiliary-loss-free expert bias that changes expert selection
             only; update it with :func:`~dtensor_moe.moe.update_expert_bias`.
         aux_loss_coeff: coefficient of the auxiliary balance loss; ``0`` disables it.

@@ -45,7 +45,7 @@ there ``recompute_experts`` checkpoints the expert math (its input is all it kee
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -227,13 +227,19 @@ def _swiglu_grouped_mm(
 ) -> torch.Tensor:
     offs_e = _group_ends(counts_e.to(x_RD.device))
     h_RH = F.silu(_grouped_mm(x_RD, w1_eHD, offs_e)) * _grouped_mm(x_RD, w3_eHD, offs_e)
-    return _grouped_mm(_scaled(h_RH, scores_R), w2_eDH, offs_e)
+    return _weighted_down(h_RH, scores_R, lambda h: _grouped_mm(h, w2_eDH, offs_e), w2_eDH)
 
 
-def _scaled(h_RH: torch.Tensor, scores_R: torch.Tensor | None) -> torch.Tensor:
-    """The SwiGLU products scaled by their rows' combine weights (before the down projection,
-    Note [The routed SwiGLU in two steps]); ``None``: unscaled."""
-    return h_RH if scores_R is None else h_RH * scores_R.unsqueeze(-1)
+def _weighted_down(
+    h_RH: torch.Tensor, scores_R: torch.Tensor | None, down: Callable, w2_eDH: torch.Tensor
+) -> torch.Tensor:
+    """``down(h_RH)``, each row scaled by its combine weight (``None``: unscaled): the products
+    before the down projection where they are the narrower (``H <= D``), else the outputs after
+    it (Note [The routed SwiGLU in two steps]). ``h_RH`` is not modified."""
+    if scores_R is None:
+        return down(h_RH)
+    s = scores_R.unsqueeze(-1)
+    return down(h_RH * s) if h_RH.shape[-1] <= w2_eDH.shape[1] else down(h_RH) * s
 
 
 def _swiglu_loop(
@@ -248,7 +254,7 @@ def _swiglu_loop(
     scores = [None] * len(counts) if scores_R is None else torch.split(scores_R, list(counts))
     for i, (x_cD, s_c) in enumerate(zip(torch.split(x_RD, list(counts)), scores, strict=True)):
         h_cH = F.silu(x_cD @ w1_eHD[i].T) * (x_cD @ w3_eHD[i].T)
-        outs.append(_scaled(h_cH, s_c) @ w2_eDH[i].T)
+        outs.append(_weighted_down(h_cH, s_c, lambda h: h @ w2_eDH[i].T, w2_eDH))
     return torch.cat(outs)
 
 
@@ -265,8 +271,9 @@ def _swiglu_bmm(
     gate_ecH = torch.bmm(x_ecD, w1_eHD.transpose(1, 2))
     up_ecH = torch.bmm(x_ecD, w3_eHD.transpose(1, 2))
     scores_ec = None if scores_R is None else scores_R.view(e, count)
-    h_ecH = _scaled(F.silu(gate_ecH) * up_ecH, scores_ec)
-    return torch.bmm(h_ecH, w2_eDH.transpose(1, 2)).reshape(x_RD.shape)
+    out_ecD = _weighted_down(F.silu(gate_ecH) * up_ecH, scores_ec,
+                             lambda h: torch.bmm(h, w2_eDH.transpose(1, 2)), w2_eDH)
+    return out_ecD.reshape(x_RD.shape)
 
 
 # Note [The routed SwiGLU in two steps]
@@ -280,10 +287,11 @@ def _swiglu_bmm(
 #    (:class:`_Regather`): backward gathers them again. The source is held anyway (by the
 #    router, or as the rows an exchange received);
 # 2. :func:`swiglu_down`, one node, ``(s * silu(h1) * h3) @ w2.T``: the SwiGLU product, the
-#    row's combine weight (on the ``R x H`` product, narrower than the ``R x D`` output) and the
-#    down projection. Its autograd formula keeps ``h1``, ``h3`` and the scores, recomputes
-#    ``silu(h1) * h3`` (elementwise), and gets the score gradient from the down projection's
-#    input gradient (``rowdot(g @ w2, h)``).
+#    row's combine weight and the down projection. The weight scales the narrower of the
+#    ``R x H`` product and the ``R x D`` output (``s * ((silu(h1) * h3) @ w2.T)`` where
+#    ``H > D``; :func:`_weighted_down`, which the plain path runs too). Its autograd formula
+#    keeps ``h1``, ``h3`` and the scores, recomputes ``silu(h1) * h3`` (elementwise), and gets
+#    the score gradient from the down projection's input gradient (``rowdot(g @ w2, h)``).
 #
 # Forward and backward then run 9 grouped matmuls, as plain autograd does, and keep the source,
 # ``h1``, ``h3`` and ``O(R)`` indices and scores. Every backward may run more than once
@@ -292,8 +300,8 @@ def _swiglu_bmm(
 # ``recompute_experts=True`` checkpoints both steps (``torch.utils.checkpoint``): only the source
 # is kept, and backward runs both steps again (12 grouped matmuls: the down projection's
 # saved inputs are packed after it runs, so checkpoint's early stop comes after it).
-# ``fused_routed_step=False`` runs plain autograd on the same math (the scores scale the
-# products before the down projection: the same output bits). Under ``torch.func`` transforms
+# ``fused_routed_step=False`` runs plain autograd on the same math (the scores scale the same
+# side of the down projection: the same output bits). Under ``torch.func`` transforms
 # (which run no custom-op formula and no saved-tensor hook) the experts take the plain path, and
 # while compiling the rows are saved as they are (the partitioner decides what to keep); the
 # results are the same up to float rounding.
@@ -323,9 +331,9 @@ def _swiglu_down_body(
     scores_R: torch.Tensor | None,
 ) -> torch.Tensor:
     h_RH = F.silu(h1_RH).mul_(h3_RH)
-    if scores_R is not None:  # on the R x H products, narrower than the R x D outputs
-        h_RH.mul_(scores_R.unsqueeze(-1))
-    return torch._grouped_mm(h_RH, w2_eDH.transpose(-2, -1), offs=offs_e)
+    w2_eHD = w2_eDH.transpose(-2, -1)
+    return _weighted_down(h_RH, scores_R, lambda h: torch._grouped_mm(h, w2_eHD, offs=offs_e),
+                          w2_eDH)  # fmt: skip
 
 
 _swiglu_down_op = torch.library.custom_op("dtensor_moe::swiglu_down", mutates_args=())(
@@ -344,17 +352,19 @@ def _swiglu_down_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 def _swiglu_down_backward(ctx: Any, grad_RD: torch.Tensor) -> tuple:
     h1, h3, w2, offs, s = ctx.saved_tensors
-    need = ctx.needs_input_grad
     g = grad_RD.contiguous()  # Note [grouped_mm expanded grad]
     # products of fresh tensors are taken in place unless a graph is being built
     mul = torch.mul if torch.is_grad_enabled() else torch.Tensor.mul_
     act = F.silu(h1)
     h = act * h3
     u = _grouped_mm(g, w2.transpose(-2, -1), offs)  # g @ w2[e]: before the scores
-    grad_s = None if s is None or not need[4] else (u * h).sum(-1)
-    if s is not None:  # the scores scale u and, for grad_w2, h
-        u, h = mul(u, s[:, None]), mul(h, s[:, None])
-    grad_w2 = _gmm_weight_grad(g, h, offs) if need[2] else None
+    grad_s = None if s is None or not ctx.needs_input_grad[4] else (u * h).sum(-1)
+    # the scores scale u and, for grad_w2, the one of h (R x H) and g (R x D) that the forward
+    # scaled (the narrower): (s * g).T @ h == g.T @ (s * h)
+    if s is not None:
+        u = mul(u, s[:, None])
+        h, g = (mul(h, s[:, None]), g) if h.shape[1] <= g.shape[1] else (h, g * s[:, None])
+    grad_w2 = _gmm_weight_grad(g, h, offs) if ctx.needs_input_grad[2] else None
     if torch.is_grad_enabled():  # create_graph: silu_backward has no derivative
         sig = torch.sigmoid(h1)
         grad_h1 = u * h3 * (sig * (1 + h1 * (1 - sig)))

@@ -231,15 +231,20 @@ def _swiglu_grouped_mm(
 
 
 def _weighted_down(
-    h_RH: torch.Tensor, scores_R: torch.Tensor | None, down: Callable, w2_eDH: torch.Tensor
+    h_RH: torch.Tensor,
+    scores_R: torch.Tensor | None,
+    down: Callable,
+    w2_eDH: torch.Tensor,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """``down(h_RH)``, each row scaled by its combine weight (``None``: unscaled): the products
     before the down projection where they are the narrower (``H <= D``), else the outputs after
-    it (Note [The routed SwiGLU in two steps]). ``h_RH`` is not modified."""
+    it (Note [The routed SwiGLU in two steps]). ``in_place``: scale ``h_RH`` or the output in
+    place (outside autograd; the same bits)."""
     if scores_R is None:
         return down(h_RH)
-    s = scores_R.unsqueeze(-1)
-    return down(h_RH * s) if h_RH.shape[-1] <= w2_eDH.shape[1] else down(h_RH) * s
+    s, mul = scores_R.unsqueeze(-1), (torch.Tensor.mul_ if in_place else torch.mul)
+    return down(mul(h_RH, s)) if h_RH.shape[-1] <= w2_eDH.shape[1] else mul(down(h_RH), s)
 
 
 def _swiglu_loop(
@@ -333,7 +338,7 @@ def _swiglu_down_body(
     h_RH = F.silu(h1_RH).mul_(h3_RH)
     w2_eHD = w2_eDH.transpose(-2, -1)
     return _weighted_down(h_RH, scores_R, lambda h: torch._grouped_mm(h, w2_eHD, offs=offs_e),
-                          w2_eDH)  # fmt: skip
+                          w2_eDH, in_place=True)  # fmt: skip
 
 
 _swiglu_down_op = torch.library.custom_op("dtensor_moe::swiglu_down", mutates_args=())(

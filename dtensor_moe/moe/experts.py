@@ -495,7 +495,7 @@ def grouped_swiglu(
 
 def _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path, scores_R=None) -> torch.Tensor:
     """:func:`grouped_swiglu` after its checks: resolve the path and run it. ``scores_R``: each
-    row's combine weight, applied to its SwiGLU product (as :func:`swiglu_down` does)."""
+    row's combine weight, applied where :func:`swiglu_down` applies it (:func:`_weighted_down`)."""
     counts = _host_counts(counts_e, path)
     chosen = resolve_compute_path(path, x_RD, w1_eHD, counts)
     if chosen != "grouped_mm" and counts is None:

@@ -187,3 +187,16 @@ def test_against_baseline_times_both_layers_in_one_run(layout, tmp_path):
                          r"baseline [\d.]+ \(quartiles [\d.]+-[\d.]+\)$", out, re.M), out
     err = _run("benchmarks/against_baseline.py", "--baseline", str(tmp_path), returncode=1)
     assert f"--baseline {tmp_path}: no dtensor_moe package there" in err, err
+
+
+def test_down_backward_benchmark_compares_the_four_variants():
+    """``swiglu_down``'s formula against plain autograd and selective checkpointing: the same
+    gradients (the script checks them), and what each keeps: ours and the recompute-all policy
+    the pre-activations only, the other two more."""
+    out = _run("benchmarks/down_backward.py", "--tokens", "64", "--dim", "32", "--warmup", "0",
+               "--repeats", "1")  # fmt: skip
+    line = r"^(\S+)\s+step\s+[\d.]+ ms\s+/ ours [\d.]+\s+kept for backward\s+([\d.]+) MiB$"
+    kept = {m[1]: float(m[2]) for m in re.finditer(line, out, re.M)}
+    assert set(kept) == {"ours", "plain", "sac-recompute", "sac-save-down"}, out
+    assert kept["ours"] == kept["sac-recompute"] == round(2 * 64 * 8 * 96 * 4 / 2**20, 2), out
+    assert kept["plain"] > kept["sac-save-down"] > kept["ours"], out

@@ -14,10 +14,11 @@ down step:
   not run again: keeps the ``R x D`` outputs.
 
 Printed per variant: the median forward + backward time over alternating repeats, the median
-of its per-repeat ratios to ``ours``, and the bytes the forward leaves alive for backward (every tensor an op made during
-the forward, tracked by a ``TorchDispatchMode`` and counted by storage if still alive after it;
-inputs and weights excluded, the output counted only if the graph keeps it), so what
-``checkpoint`` and its policy's cache hold is counted too. Run::
+of its per-repeat ratios to ``ours``, and the bytes the forward leaves alive for backward
+(every tensor an op made during the forward, tracked by a ``TorchDispatchMode`` and counted by
+storage if still alive after it; inputs and weights excluded, the output counted only if the
+graph keeps it), so what ``checkpoint`` and its policy's cache hold is counted too. The
+variants' gradients are checked against ours first. Run::
 
     python benchmarks/down_backward.py                       # qwen3 preset: H 96 <= D 256
     python benchmarks/down_backward.py --preset deepseek-v3  # H 64
@@ -101,7 +102,7 @@ class _Made(TorchDispatchMode):
         return out
 
 
-def _step(down, x, w1, w2, w3, offs, scores, grad):
+def _step(down, x, w1, w2, w3, offs, scores):
     h1, h3 = _ProjectUp.apply(x, w1, w3, offs)
     return down(h1, h3, w2, offs, scores)
 
@@ -109,7 +110,7 @@ def _step(down, x, w1, w2, w3, offs, scores, grad):
 def _kept_bytes(down, x, weights, offs, scores) -> int:
     mode = _Made()
     with mode:
-        y = _step(down, x, *weights, offs, scores, None)
+        y = _step(down, x, *weights, offs, scores)
     node = y.grad_fn  # keeps the graph, and what it keeps, without the output itself
     del y
     skip = {t.untyped_storage().data_ptr() for t in (x, scores, *weights)}
@@ -139,14 +140,13 @@ def main() -> None:
     counts = torch.bincount(torch.randint(0, E, (R,)), minlength=E)
     offs = _group_ends(counts)
     x = torch.randn(R, D, requires_grad=True)
-    weights = [torch.randn(s, requires_grad=True) * 0.05 for s in ((E, H, D), (E, D, H), (E, H, D))]
-    weights = [w.detach().requires_grad_() for w in weights]
+    weights = [(torch.randn(s) * 0.05).requires_grad_() for s in ((E, H, D), (E, D, H), (E, H, D))]
     scores = torch.rand(R, requires_grad=True)
     grad = torch.randn(R, D)
 
     outs = {}
     for name, down in VARIANTS.items():  # the same gradients (up to float rounding)
-        y = _step(down, x, *weights, offs, scores, grad)
+        y = _step(down, x, *weights, offs, scores)
         outs[name] = torch.autograd.grad(y, [x, scores, *weights], grad)
     for name, got in outs.items():
         for a, b in zip(got, outs["ours"], strict=True):
@@ -157,7 +157,7 @@ def main() -> None:
     for rep in range(args.warmup + args.repeats):
         for name in names if rep % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
-            y = _step(VARIANTS[name], x, *weights, offs, scores, grad)
+            y = _step(VARIANTS[name], x, *weights, offs, scores)
             torch.autograd.grad(y, [x, scores, *weights], grad)
             if rep >= args.warmup:
                 times[name].append(time.perf_counter() - t0)

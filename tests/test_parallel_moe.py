@@ -245,6 +245,7 @@ OPTION_RUNS = [  # other MoEConfig options, one case each: (layout, overrides)
     ("ep2", {"compute_path": "loop"}),  # overlapped exchange without the fused grouped_mm stage
     ("sp2ep2", {"shared_expert_gate": True}),  # gated shared expert, split routing
     ("tp2ep2", {"shared_expert_gate": True}),  # gated shared expert, replicate routing (TP)
+    ("ep4", {"hidden_dim": 8}),  # H < D: the combine weights scale the SwiGLU products
 ]
 
 
@@ -261,8 +262,8 @@ def run_steps(run: ParallelRun, where: str) -> None:
 
 class ParallelMoEParityTest(DistTestBase):
     def _run_layout(self, name: str, cases=None, **config) -> None:
-        # Both implementations of the EP exchange (ExpertParallel(overlap=...)): the one-node
-        # overlapped step and the plain functional-collective path, on the same matrix.
+        # Both settings of ExpertParallel(overlap=...): the own rows computed while the other
+        # rows' outputs travel, and every row through the exchange, on the same matrix.
         for overlap, case in itertools.product((True, False), cases or CASES):
             run = ParallelRun(LAYOUTS[name], case, self.rank, overlap=overlap, **config)
             run_steps(run, f"{name} {case} overlap={overlap} {config}")

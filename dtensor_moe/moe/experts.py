@@ -673,8 +673,9 @@ class GroupedExperts(nn.Module):
         ``out_RD``, in the layout's row order (padding rows zero).
 
         ``scores``: each pair's combine weight (indexed by ``layout.order_N``; in row order
-        for a layout :func:`~dtensor_moe.moe.dispatch.in_order`), applied to the expert output,
-        or before the experts with ``score_before_experts``; ``None``: unscaled.
+        for a layout :func:`~dtensor_moe.moe.dispatch.in_order`), applied inside the experts to
+        the narrower side of the down projection (:func:`_weighted_down`), or before the
+        experts with ``score_before_experts``; ``None``: unscaled.
         ``weights``: :meth:`local_weights`, when the caller has them. ``keep_rows``: keep the
         gathered rows for backward rather than gather them again (when nothing else keeps the
         source). What is kept for backward: Note [The routed SwiGLU in two steps]. It is
@@ -739,7 +740,7 @@ class GroupedExperts(nn.Module):
         rows_RD = permute_tokens(source_SD, layout)
         if first and scores_R is not None:
             rows_RD = rows_RD * scores_R.unsqueeze(-1)
-        scores_R = None if first else scores_R  # else on the SwiGLU products, as swiglu_down
+        scores_R = None if first else scores_R  # else at the down projection, as swiglu_down
         if self.recompute_experts and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return torch.utils.checkpoint.checkpoint(
                 _swiglu_on_path, rows_RD, w1, w2, w3, layout.counts_e, path, scores_R,

@@ -1,6 +1,7 @@
-"""Fused optimizers across meshes and mixed-mesh gradient clipping."""
+"""Fused optimizers across meshes, mixed-mesh gradient clipping, and Muon across meshes."""
 
 from dtensor_moe.optim.clip import clip_grad_norm_
 from dtensor_moe.optim.fused import register_strategies
+from dtensor_moe.optim.muon import Muon, MuonParamGroups, muon_param_groups
 
-__all__ = ["clip_grad_norm_", "register_strategies"]
+__all__ = ["Muon", "MuonParamGroups", "clip_grad_norm_", "muon_param_groups", "register_strategies"]

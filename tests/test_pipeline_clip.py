@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal import common_distributed
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
@@ -25,6 +26,8 @@ import dtensor_moe.optim.clip as clip_module
 from tests._dist import DistTestBase
 
 clip = dtensor_moe.clip_grad_norm_
+# a rank left waiting in a collective fails the test after this many seconds, not 300
+common_distributed.TIMEOUT_OVERRIDE["test_wrong_pp_mesh_raises_on_every_rank"] = 40
 NORM_TYPES = (1.0, 2.0, 3.5, math.inf, 0.5)
 RTOL = 1e-6
 EXPERT_S0 = (Replicate(), Shard(0), Replicate())  # ("edp", "ep", "etp") = (1, 2, 1)
@@ -254,12 +257,24 @@ stage 1, stage 1 plain only, pp_mesh, p=2.0: {'c10d.allreduce_': 1}""",
                 clip(params, 1.0, pp_mesh=meshes.expert)
             with self.assertRaisesRegex(ValueError, f"does not contain rank {self.rank}"):
                 clip(params, 1.0, pp_mesh=not_mine)
-            # the stage's own ranks, or every rank: not one rank per stage
-            for wrong in (meshes.dense["dp"], meshes.stage_group, dist.group.WORLD):
+            # with meshes=: the stage's own ranks, or every rank, is not one rank per stage,
+            # decided from the layout on every rank
+            for wrong, ranks, stages in (
+                (meshes.dense["dp"], re.escape(f"[{2 * meshes.pp_rank}, {2 * meshes.pp_rank + 1}]"),
+                 re.escape(f"[{meshes.pp_rank}, {meshes.pp_rank}]")),
+                (meshes.stage_group, None, None),
+                (dist.group.WORLD, r"\[0, 1, 2, 3\]", r"\[0, 0, 1, 1\]"),
+            ):
                 with self.assertRaisesRegex(
-                    ValueError, r"shares ranks \[\d(, \d)*\] with .* counted more than once"
+                    ValueError,
+                    rf"pp_mesh .* holds ranks {ranks or '.*'}, of stages {stages or '.*'}, but a "
+                    r"pp_mesh is one rank of each of the meshes' 2 stages of 2 ranks \(this "
+                    rf"stage: ranks \[{2 * meshes.pp_rank}, {2 * meshes.pp_rank + 1}\]\); leave "
+                    "pp_mesh out and pass meshes=meshes",
                 ):
-                    clip(params, 1.0, pp_mesh=wrong)
+                    clip(params, 1.0, pp_mesh=wrong, meshes=meshes)
+            with self.assertRaisesRegex(TypeError, "meshes must be the MoEMeshes .* got DeviceMesh"):
+                clip(params, 1.0, meshes=meshes.dense)
             # the other checks still come first, on a stage with no grad too
             with self.assertRaisesRegex(ValueError, "norm_type must be a number > 0 or inf"):
                 clip([], 1.0, 0.0, pp_mesh=meshes.pp_mesh)
@@ -276,10 +291,45 @@ stage 1, stage 1 plain only, pp_mesh, p=2.0: {'c10d.allreduce_': 1}""",
                     clip(params if meshes.pp_rank == 0 else no_grads, 1.0, foreach=True,
                          pp_mesh=meshes.pp_mesh)
         self.assertEqual(mode.get_total_counts(), 0)
-        # the pp group of this rank, as a ProcessGroup, works
-        total = clip(params, 1e9, pp_mesh=pp_groups[self.rank % 2])
+        # the pp group of this rank, as a ProcessGroup, works; so does meshes= alone
         every = [g for stage in (0, 1) for g in full[stage]]
-        torch.testing.assert_close(total, torch.nn.utils.get_total_norm(every), rtol=RTOL, atol=0)
+        for kwargs in (dict(pp_mesh=pp_groups[self.rank % 2]), dict(meshes=meshes),
+                       dict(pp_mesh=meshes.pp_mesh, meshes=meshes)):
+            total = clip(params, 1e9, **kwargs)
+            torch.testing.assert_close(total, torch.nn.utils.get_total_norm(every), rtol=RTOL,
+                                       atol=0, msg=str(kwargs))
+
+    @with_comms
+    def test_wrong_pp_mesh_raises_on_every_rank(self):
+        """Without meshes=, a pp_mesh that is the world (or the stage's group): every rank
+        raises after the one all-reduce over it, the stage whose grads are plain tensors or
+        None too (it sees no mesh, and used to wait in the all-reduce); no grad is scaled."""
+        meshes = self._meshes()
+        for label in ("mixed", "stage 1 plain only", "stage 1 without grads"):
+            layout = LAYOUTS[label]
+            full = _full_grads(layout, seed=4)
+            params = _stage_params(meshes, layout[meshes.pp_rank], full[meshes.pp_rank])
+            # a group inside a stage of plain grads cannot be told from a pp group without
+            # meshes=: the stage groups only where both stages hold DTensor grads
+            wrongs = [dist.group.WORLD]
+            if label == "mixed":
+                wrongs += [meshes.dense["dp"], meshes.stage_group]
+            for wrong in wrongs:
+                sees = label == "mixed" or meshes.pp_rank == 0
+                detail = r"on rank \d it shares ranks \[\d(, \d)*\] with DeviceMesh"
+                if not sees:
+                    detail = "on another rank it shares ranks with the mesh of a grad"
+                with CommDebugMode() as mode:
+                    with self.assertRaisesRegex(
+                        ValueError,
+                        rf"pp_mesh .* is not one rank per pipeline stage: {detail}.*, so grads "
+                        r"would be counted more than once. Pass meshes=meshes",
+                    ):
+                        clip(params, 1.0, 2.0, pp_mesh=wrong)
+                self.assertEqual(_comm_counts(mode), {"c10d.allreduce_": 1}, label)
+                got = [_full(p.grad) for p in params if p.grad is not None]
+                for g, want in zip(got, full[meshes.pp_rank], strict=True):
+                    torch.testing.assert_close(g, want, rtol=0, atol=0)  # untouched
 
 
 if __name__ == "__main__":

@@ -46,8 +46,20 @@ combined over the rank's meshes, is the fold of its stage. With ``pp_mesh`` (the
 rank's position in every stage: one rank per stage) the stage folds are combined by one more
 ``all_reduce`` over ``pp_mesh``: the sum of the p-th powers (``max`` for ``inf``) and the nan
 count, before the p-th root. Every element of the model is then counted once: once in its stage
-(above) and each stage once over ``pp_mesh``. That is why ``pp_mesh`` may share no rank but this
-one with the meshes of the grads, which is checked before any collective.
+(above) and each stage once over ``pp_mesh``. That is why ``pp_mesh`` must hold one rank per
+stage, and may share no rank but this one with the meshes of the grads.
+
+Whether it does is decided alike on every rank, never from the grads one rank happens to hold
+(a stage of plain-tensor grads sees no mesh, and deciding there alone would leave it waiting in
+the all-reduce that the other stage refused to join):
+
+* with ``meshes=`` (the :class:`~dtensor_moe.parallel.MoEMeshes` of this stage), before any
+  collective: ``pp_mesh`` (default ``meshes.pp_mesh``) must hold ``meshes.pp`` ranks, one in each
+  stage's ranks. Every rank sees the same layout and raises the same ``ValueError``.
+* without it, a rank whose grads' meshes share a rank other than itself with ``pp_mesh`` skips
+  its stage fold and raises only after the all-reduce over ``pp_mesh``, which carries one more
+  slot: the number of ranks that found such a mesh. Every rank of ``pp_mesh`` then raises
+  ``ValueError`` together, the rank without meshes too, and no grad is scaled.
 
 The same all-reduce carries one flag per grad dtype in ``_FLAGGED_DTYPES``, so every rank
 returns the total in the promoted dtype of every stage's grads, as torch would on the gathered
@@ -73,6 +85,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from dtensor_moe._compat import device_has_foreach_support, local_tensor, splits_tensor
+from dtensor_moe.parallel.mesh import MoEMeshes, require_meshes
 
 __all__ = ["clip_grad_norm_"]
 
@@ -113,7 +126,8 @@ class _NormSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _PipelineGroup:
-    """The group that ``pp_mesh`` names, checked: it contains this rank."""
+    """The group that ``pp_mesh`` names, checked: it contains this rank (and, with ``meshes=``,
+    one rank of each stage)."""
 
     group: dist.ProcessGroup
     ranks: frozenset[int]
@@ -130,6 +144,7 @@ def clip_grad_norm_(
     foreach: bool | None = None,
     *,
     pp_mesh: DeviceMesh | dist.ProcessGroup | None = None,
+    meshes: MoEMeshes | None = None,
 ) -> torch.Tensor:
     """Clip the total gradient norm of ``parameters`` in place, across any meshes and stages.
 
@@ -139,9 +154,9 @@ def clip_grad_norm_(
     tensors or DTensors on any number of meshes, with any mix of ``Shard`` (even or not),
     ``Replicate`` and ``Partial``. Params without a grad are skipped.
 
-    Under pipeline parallelism pass ``pp_mesh``: the total is then the norm over the grads of
-    every stage, and every rank of every stage must call this function (a rank whose stage has
-    no grad too).
+    Under pipeline parallelism pass ``meshes`` (or ``pp_mesh``): the total is then the norm over
+    the grads of every stage, and every rank of every stage must call this function (a rank
+    whose stage has no grad too).
 
     Collectives: ``all_reduce`` only; per mesh, one for each mesh dim that some grad on it shards,
     plus one per Partial mesh dim per (mesh, placements, dtype) group of ``Partial`` grads. See
@@ -163,6 +178,10 @@ def clip_grad_norm_(
             pipeline stage, one rank per stage: the 1-D ``meshes.pp_mesh`` of
             :func:`~dtensor_moe.build_moe_meshes` (``None`` when ``pp == 1``), or the
             ``ProcessGroup`` of those ranks. The stages' norms are combined over it.
+        meshes: this stage's :class:`~dtensor_moe.parallel.MoEMeshes`: ``pp_mesh`` defaults to
+            ``meshes.pp_mesh`` (no pipeline parallelism when ``meshes.pp == 1``), and a given
+            ``pp_mesh`` is checked against the stage layout before any collective (Note [Norm
+            across pipeline stages]).
 
     Returns:
         The total norm as a plain 0-dim tensor on the first grad's device, equal on every rank;
@@ -175,27 +194,28 @@ def clip_grad_norm_(
             a ``pp_mesh`` that is not a ``DeviceMesh`` or ``ProcessGroup``.
         ValueError: ``norm_type <= 0`` or ``nan``; ``max_norm < 0`` or ``nan``; a grad on a mesh
             without this rank; a ``Partial`` reduce op other than sum/avg/max/min; a
-            ``pp_mesh`` that is not 1-D, does not contain this rank, or shares another rank
-            with a grad's mesh.
+            ``pp_mesh`` that is not 1-D or does not contain this rank; with ``meshes``, a
+            ``pp_mesh`` that is not one rank per stage; without it, a ``pp_mesh`` that shares
+            another rank with a grad's mesh on some rank (on every rank of ``pp_mesh``, after
+            its all-reduce).
 
     Example::
 
         >>> loss.backward()
         >>> total = dtensor_moe.clip_grad_norm_(model.parameters(), max_norm=1.0)
         >>> # under pipeline parallelism, on every rank of every stage:
-        >>> total = dtensor_moe.clip_grad_norm_(stage.parameters(), 1.0, pp_mesh=meshes.pp_mesh)
+        >>> total = dtensor_moe.clip_grad_norm_(stage.parameters(), 1.0, meshes=meshes)
     """
     params = _as_param_list(parameters)
     max_norm_f = _check_max_norm(max_norm)
     p = _check_norm_type(norm_type)
-    pp = _check_pp_mesh(pp_mesh)
+    pp = _check_pp_mesh(pp_mesh, meshes)
     grads = [param.grad for param in params if param.grad is not None]
     if not grads and pp is None:
         return torch.tensor(0.0)
     _check_grads(params, foreach, () if pp is None else (pp.device,))
-    if pp is not None:
-        _check_pp_disjoint(params, pp)
-    total = _total_norm(grads, p, foreach, pp)
+    overlap = None if pp is None else _pp_overlap(params, pp)
+    total = _total_norm(grads, p, foreach, pp, overlap)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type=p))
     if grads:
@@ -290,10 +310,28 @@ def _check_grads(
                 )
 
 
-def _check_pp_mesh(pp_mesh: object) -> _PipelineGroup | None:
-    """``pp_mesh`` as a checked group: 1-D if a mesh, containing this rank. Local, no collective."""
+def _check_pp_mesh(pp_mesh: object, meshes: object) -> _PipelineGroup | None:
+    """``pp_mesh`` (default ``meshes.pp_mesh``) as a checked group: 1-D if a mesh, containing this
+    rank, and with ``meshes`` one rank per stage. Local, no collective."""
+    if meshes is not None:
+        meshes = require_meshes(meshes, "clip_grad_norm_")
+        if pp_mesh is None:
+            pp_mesh = meshes.pp_mesh
+        elif meshes.pp == 1:
+            raise ValueError(
+                f"clip_grad_norm_: pp_mesh={pp_mesh!r} was given with meshes of one pipeline "
+                "stage (meshes.pp == 1); leave pp_mesh out"
+            )
     if pp_mesh is None:
         return None
+    pp = _as_group(pp_mesh)
+    if meshes is not None:
+        _check_against_stages(pp, meshes)
+    return pp
+
+
+def _as_group(pp_mesh: object) -> _PipelineGroup:
+    """``pp_mesh`` as a group: 1-D if a mesh, containing this rank."""
     rank = dist.get_rank()
     if isinstance(pp_mesh, DeviceMesh):
         if pp_mesh.ndim != 1:
@@ -337,11 +375,30 @@ def _device_of_type(device_type: str) -> torch.device:
     return torch.device(device_type, torch.get_device_module(device_type).current_device())
 
 
-def _check_pp_disjoint(params: list[torch.Tensor], pp: _PipelineGroup) -> None:
-    """Reject a ``pp_mesh`` that shares a rank other than this one with a grad's mesh.
+def _check_against_stages(pp: _PipelineGroup, meshes: MoEMeshes) -> None:
+    """Reject a ``pp_mesh`` that is not one rank of each of ``meshes.pp`` stages; every rank
+    sees the same layout, so every rank decides alike (Note [Norm across pipeline stages])."""
+    stage_size = len(meshes.stage_ranks)
+    stages = sorted(r // stage_size for r in pp.ranks)
+    if stages == list(range(meshes.pp)):
+        return
+    raise ValueError(
+        f"clip_grad_norm_: pp_mesh {pp.label} holds ranks {sorted(pp.ranks)}, of stages "
+        f"{stages}, but a pp_mesh is one rank of each of the meshes' {meshes.pp} stages of "
+        f"{stage_size} ranks (this stage: ranks {list(meshes.stage_ranks)}); leave pp_mesh out "
+        "and pass meshes=meshes, or pass meshes.pp_mesh"
+    )
+
+
+def _pp_overlap(params: list[torch.Tensor], pp: _PipelineGroup) -> str | None:
+    """Why ``pp_mesh`` is wrong as seen from this rank's grads, or ``None``: it shares a rank
+    other than this one with a grad's mesh.
 
     Such a group is not one rank per stage (the stage group or the world, say), and the
-    all-reduce over it would count the grads of those ranks' meshes more than once.
+    all-reduce over it would count the grads of those ranks' meshes more than once. Other ranks
+    may not see it (their grads may be plain tensors), so the finding travels with the
+    all-reduce over ``pp_mesh`` and every rank raises after it (Note [Norm across pipeline
+    stages]).
     """
     rank = dist.get_rank()
     seen: set[DeviceMesh] = set()
@@ -352,12 +409,11 @@ def _check_pp_disjoint(params: list[torch.Tensor], pp: _PipelineGroup) -> None:
         seen.add(grad.device_mesh)
         shared = (set(grad.device_mesh.mesh.flatten().tolist()) & pp.ranks) - {rank}
         if shared:
-            raise ValueError(
-                f"clip_grad_norm_: pp_mesh {pp.label} shares ranks {sorted(shared)} with "
-                f"{grad.device_mesh}, the mesh of parameters[{i}].grad, so their grads would be "
-                "counted more than once; pp_mesh must hold one rank per pipeline stage: pass "
-                "meshes.pp_mesh from build_moe_meshes(pp=...)"
+            return (
+                f"on rank {rank} it shares ranks {sorted(shared)} with {grad.device_mesh}, the "
+                f"mesh of parameters[{i}].grad"
             )
+    return None
 
 
 def _norm_spec(grads: list[torch.Tensor], p: float, foreach: bool | None) -> _NormSpec:
@@ -375,17 +431,25 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _total_norm(
-    grads: list[torch.Tensor], p: float, foreach: bool | None, pp: _PipelineGroup | None
+    grads: list[torch.Tensor],
+    p: float,
+    foreach: bool | None,
+    pp: _PipelineGroup | None,
+    overlap: str | None = None,
 ) -> torch.Tensor:
-    """The total norm of this stage's ``grads``, or of every stage's over ``pp``."""
+    """The total norm of this stage's ``grads``, or of every stage's over ``pp``.
+
+    ``overlap``: why this rank found ``pp`` wrong (:func:`_pp_overlap`); it then joins the
+    all-reduce over ``pp`` with nothing else, and every rank of ``pp`` raises after it.
+    """
     dtypes = [g.dtype for g in grads]
-    if grads:
+    if grads and overlap is None:
         spec = _norm_spec(grads, p, foreach)
         fold, device = _stage_fold(grads, spec), spec.device
     else:  # pp is not None: join the all-reduce over pp with nothing to add
         fold, device = torch.zeros(2, dtype=torch.float64, device=pp.device), pp.device
     if pp is not None:
-        fold, dtypes = _reduce_over_pp(fold, dtypes, p, pp)
+        fold, dtypes = _reduce_over_pp(fold, dtypes, p, pp, overlap)
     value = fold[0] if math.isinf(p) else fold[0].pow(1.0 / p)
     value = torch.where(fold[1] > 0, torch.full_like(value, math.nan), value)
     out_dtype = torch.get_default_dtype()  # torch's tensor(0.0) when no stage has a grad
@@ -413,21 +477,33 @@ def _stage_fold(grads: list[torch.Tensor], spec: _NormSpec) -> torch.Tensor:
 
 
 def _reduce_over_pp(
-    fold: torch.Tensor, dtypes: list[torch.dtype], p: float, pp: _PipelineGroup
+    fold: torch.Tensor,
+    dtypes: list[torch.dtype],
+    p: float,
+    pp: _PipelineGroup,
+    overlap: str | None,
 ) -> tuple[torch.Tensor, list[torch.dtype]]:
     """Combine the stages' folds and grad dtypes with one ``all_reduce`` over ``pp``.
 
-    See Note [Norm across pipeline stages]: ``[value, nan count, one flag per flagged dtype]``
-    in fp64, summed (``max`` for ``inf``: a flag or a count stays > 0 under both).
+    See Note [Norm across pipeline stages]: ``[value, nan count, wrong-pp_mesh count, one flag
+    per flagged dtype]`` in fp64, summed (``max`` for ``inf``: a flag or a count stays > 0 under
+    both). Raises ``ValueError`` on every rank when some rank found ``pp`` wrong.
     """
-    flags = [1.0 if dtype in dtypes else 0.0 for dtype in _FLAGGED_DTYPES]
+    flags = [1.0 if overlap else 0.0] + [1.0 if d in dtypes else 0.0 for d in _FLAGGED_DTYPES]
     buffer = torch.cat([
         fold.to(device=pp.device, dtype=torch.float64),
         torch.tensor(flags, dtype=torch.float64, device=pp.device),
     ])
     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
     dist.all_reduce(buffer, op=op, group=pp.group)
-    present = buffer[2:].tolist()
+    wrong, *present = buffer[2:].tolist()
+    if wrong > 0:
+        raise ValueError(
+            f"clip_grad_norm_: pp_mesh {pp.label} is not one rank per pipeline stage: "
+            f"{overlap or 'on another rank it shares ranks with the mesh of a grad'}, so grads "
+            "would be counted more than once. Pass meshes=meshes (this stage's MoEMeshes), or "
+            "pp_mesh=meshes.pp_mesh from build_moe_meshes(pp=...)"
+        )
     everywhere = [d for d, flag in zip(_FLAGGED_DTYPES, present, strict=True) if flag > 0]
     return buffer[:2], everywhere + [d for d in dtypes if d not in _FLAGGED_DTYPES]
 

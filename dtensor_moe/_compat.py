@@ -71,6 +71,9 @@ __all__ = [
     "local_views",
     "replace_dtensor_storage",
     "running_perform_action",
+    "schedule_microbatches",
+    "schedule_stages",
+    "stage_microbatch_rows",
     "runtime_defines_perform_action",
     "schema_of",
     "spec_of",
@@ -390,3 +393,59 @@ def wait_stage_input(schedule: object, action: Any) -> None:
         for work in ops[key]:
             work.wait()
         ops[key] = []
+
+
+def schedule_stages(schedule: object) -> list:
+    """The stages ``schedule`` runs on this rank: ``_stage`` of a single-stage schedule,
+    ``_stages`` of a multi-stage one (``torch.distributed.pipelining.schedules``, torch 2.13)."""
+    stages = getattr(schedule, "_stages", None)
+    if stages is None:
+        stage = getattr(schedule, "_stage", None)
+        if stage is None:
+            raise TypeError(
+                f"expected a torch.distributed.pipelining schedule, got {type(schedule).__name__}"
+            )
+        stages = [stage]
+    return list(stages)
+
+
+def schedule_microbatches(schedule: object) -> int:
+    """``_PipelineSchedule._n_microbatches`` (torch 2.13): the micro-batches of one step."""
+    return int(schedule._n_microbatches)
+
+
+def stage_microbatch_rows(stage: object) -> int | None:
+    """The rows (dim 0) of one micro-batch in a ``PipelineStage``'s static input metadata
+    (``_user_meta.inputs``, torch 2.13), or ``None`` when the stage was built without it."""
+    meta = getattr(stage, "_user_meta", None)
+    inputs = None if meta is None else meta.inputs
+    if not inputs or len(inputs[0].shape) == 0:
+        return None
+    return int(inputs[0].shape[0])
+
+
+def fsdp_reshards_after_forward(module: torch.nn.Module, *, root: bool) -> bool:
+    """Whether the ``fully_shard`` module ``module`` frees its gathered params after forward.
+
+    torch 2.13 keeps it per param group of ``module._get_fsdp_state()``: ``post_forward_mesh_info``
+    is ``None`` when the group stays gathered. A root sharded with the default
+    ``reshard_after_forward=None`` (``_auto_reshard_after_forward``) stops resharding at its
+    lazy init, so it counts as not resharding even before its first forward.
+    """
+    state = module._get_fsdp_state()
+    if root and state._auto_reshard_after_forward:
+        return False
+    return any(group.post_forward_mesh_info is not None for group in state._fsdp_param_groups)
+
+
+def grad_scaler_unscale_grads(
+    scaler: torch.amp.GradScaler,
+    optimizer: torch.optim.Optimizer,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    allow_fp16: bool,
+) -> dict[torch.device, torch.Tensor]:
+    """torch 2.13's ``GradScaler._unscale_grads_``: the inf check (and unscale) of every grad of
+    ``optimizer``, one ``_amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group;
+    returns ``found_inf`` per device."""
+    return torch.amp.GradScaler._unscale_grads_(scaler, optimizer, inv_scale, found_inf, allow_fp16)

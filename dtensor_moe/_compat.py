@@ -39,6 +39,9 @@ scan's reach; these are all of them (kept in this form so that the test's parser
       ``torch._fused_adam_``, ``torch._fused_adamw_``, ``torch._fused_sgd_``,
       ``torch._fused_adagrad_``: torch's Python bindings of the in-place ops, which the handler
       calls on local tensors (read, never replaced).
+    - dtensor_moe/optim/scaler.py, by definition: its ``GradScaler`` subclass overrides
+      ``torch.amp.GradScaler._unscale_grads_`` (the per-(device, dtype) inf check that both
+      ``unscale_`` and ``step`` run) and calls torch's through :func:`grad_scaler_unscale_grads`.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ __all__ = [
     "dtensor_from_local_spec",
     "dtensor_specs",
     "flatten_mesh",
+    "fsdp_reshards_after_forward",
+    "grad_scaler_unscale_grads",
     "in_backward_pass",
     "in_pipeline_stage_forward",
     "is_pipeline_runtime",
@@ -422,6 +427,33 @@ def stage_microbatch_rows(stage: object) -> int | None:
     if not inputs or len(inputs[0].shape) == 0:
         return None
     return int(inputs[0].shape[0])
+
+
+def fsdp_reshards_after_forward(module: torch.nn.Module, *, root: bool) -> bool:
+    """Whether the ``fully_shard`` module ``module`` frees its gathered params after forward.
+
+    torch 2.13 keeps it per param group of ``module._get_fsdp_state()``: ``post_forward_mesh_info``
+    is ``None`` when the group stays gathered. A root sharded with the default
+    ``reshard_after_forward=None`` (``_auto_reshard_after_forward``) stops resharding at its
+    lazy init, so it counts as not resharding even before its first forward.
+    """
+    state = module._get_fsdp_state()
+    if root and state._auto_reshard_after_forward:
+        return False
+    return any(group.post_forward_mesh_info is not None for group in state._fsdp_param_groups)
+
+
+def grad_scaler_unscale_grads(
+    scaler: torch.amp.GradScaler,
+    optimizer: torch.optim.Optimizer,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    allow_fp16: bool,
+) -> dict[torch.device, torch.Tensor]:
+    """torch 2.13's ``GradScaler._unscale_grads_``: the inf check (and unscale) of every grad of
+    ``optimizer``, one ``_amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group;
+    returns ``found_inf`` per device."""
+    return torch.amp.GradScaler._unscale_grads_(scaler, optimizer, inv_scale, found_inf, allow_fp16)
 
 
 def fsdp_reshards_after_forward(module: torch.nn.Module, *, root: bool) -> bool:

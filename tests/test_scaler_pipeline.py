@@ -13,17 +13,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal import common_distributed
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
 import dtensor_moe  # noqa: F401  (registers the handlers)
+from dtensor_moe.optim import GradScaler
 from tests._dist import DistTestBase
 
 # A hang (ranks issuing different collectives) fails the test after this many seconds instead
 # of blocking CI for the default 300; each test takes about 2 s.
 _TIMEOUT_S = 45
 _TESTS = (
+    "test_plain_stage_and_ep_stage_agree",
     "test_stages_on_different_meshes_agree",
     "test_world_mesh_on_one_stage_only_agrees",
     "test_out_of_step_ranks_raise",
@@ -153,6 +156,60 @@ class GradScalerPipelineTest(DistTestBase):
         ):
             for _ in range(2):
                 _scaled_step(scaler, opt, params, [torch.ones_like(p) for p in params])
+
+    @with_comms
+    def test_plain_stage_and_ep_stage_agree(self):
+        """pp2: stage 0 holds plain params (no FSDP2, no EP), stage 1 an expert weight sharded
+        on "ep"; fused AdamW under dtensor_moe's GradScaler. An inf in stage 0's plain grad on
+        one step makes all four ranks skip and halve the scale, as the whole model in one
+        process would; one all-reduce per step on every rank. (torch's GradScaler hangs here:
+        stage 0 never reaches the DTensor handler's all-reduce.) A rank whose optimizer holds
+        no grad makes every rank raise."""
+        meshes = dtensor_moe.build_moe_meshes(pp=2, dp=2, ep=2)
+        stage = meshes.pp_rank
+        full = _full_params(stage)
+        if stage == 0:
+            params = [t.clone().requires_grad_() for t in full]
+        else:
+            mesh = meshes.expert["ep"]
+            params = [distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+                      for t in full]  # fmt: skip
+        opt = torch.optim.AdamW(params, lr=0.1, fused=True)
+        scaler = GradScaler("cpu", init_scale=INIT_SCALE)
+        scales = []
+        for step in range(STEPS):
+            grads = _full_grads(stage, step, scaler.get_scale())
+            if stage == 0 and step == INF_STEP:
+                grads[0][0, 0] = 1.0 if self.rank == 1 else grads[0][0, 0]  # inf on rank 0 only
+            if stage == 1:
+                grads = [distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
+                         for g in grads]  # fmt: skip
+            with CommDebugMode() as mode:
+                _scaled_step(scaler, opt, params, grads)
+            counts = {str(k): v for k, v in mode.get_comm_counts().items()}
+            self.assertEqual(counts, {"c10d.allreduce_": 1})
+            scales.append(scaler.get_scale())
+        every = [None] * self.world_size
+        dist.all_gather_object(every, scales)
+        ref_params, ref_scales = _reference()
+        self.assertEqual(every, [ref_scales] * self.world_size)
+        got = [p.detach().full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]
+        for g, want in zip(got, ref_params[stage]):  # rank 1 skipped the step as well
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+        # a rank whose optimizer holds no grad: every rank raises after the one all-reduce
+        opt.zero_grad(set_to_none=True)
+        grads = [torch.ones_like(p) for p in params] if self.rank != 3 else None
+        scaler.scale(torch.ones(()))
+        if grads is not None:
+            for p, g in zip(params, grads):
+                p.grad = g
+        with self.assertRaisesRegex(
+            ValueError,
+            rf"GradScaler: the optimizer holds no grad on {'this' if self.rank == 3 else 'another'}"
+            r" rank, so that rank has nothing to check for inf; every rank must step an "
+            "optimizer with at least one grad",
+        ):
+            scaler.step(opt)
 
 
 if __name__ == "__main__":

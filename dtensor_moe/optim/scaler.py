@@ -33,10 +33,11 @@ The contract, per step:
 
 So an inf anywhere makes every rank of the default group skip the step and halve its scale.
 
-Not supported (these break the contract): a rank whose optimizer has no DTensor grad in a step
-(for example a pipeline stage of plain tensors, or one whose grads are all ``None``), a rank that
-skips ``unscale_``/``step``, and dtype sets that differ between ranks. No rank can see that
-before communicating. What can be caught cheaply is caught: each all-reduce carries this rank's
+Not supported by ``torch.amp.GradScaler`` (these break the contract): a rank whose optimizer
+has no DTensor grad in a step (for example a pipeline stage of plain tensors, or one whose grads
+are all ``None``), a rank that skips ``unscale_``/``step``, and dtype sets that differ between
+ranks. No rank can see that before communicating: a rank of plain grads never reaches the
+handler, and the others wait for it in the all-reduce. Use :class:`GradScaler` (below) there. What can be caught cheaply is caught: each all-reduce carries this rank's
 ``unscale_`` count and the index of the dtype group within it, as ``(n, -n)`` pairs reduced with
 max, so every rank learns the largest and the smallest count from the same all-reduce. When
 they differ, every rank that took part raises the same ``ValueError`` instead of drifting
@@ -50,10 +51,24 @@ Nothing here is cached: the handler keeps no mesh, group or tensor alive (the co
 weak references to the default group and to the current ``found_inf``).
 
 The handler is installed by ``import dtensor_moe`` (see ``register_strategies``).
+
+Note [One agreement per unscale]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+:class:`GradScaler` (``dtensor_moe.optim.GradScaler``) is ``torch.amp.GradScaler`` with the
+agreement moved from the op to the scaler: its inf check of an optimizer's grads (torch's
+``_unscale_grads_``, which ``unscale_`` and ``step`` both run, once per optimizer and step) runs
+every (device, dtype) check locally, the handler above skipping its all-reduce, then max-reduces
+``found_inf`` once over the default group, with the same sequence counters, and writes the result
+into every per-device ``found_inf``. The number of all-reduces is one per ``unscale_`` on every
+rank whatever its grads are (DTensors, plain tensors, several dtypes), so pipeline stages of plain
+params and stages of DTensor params agree. A rank whose optimizer has no grad at all (torch's
+``GradScaler`` would fail there with "No inf checks were recorded") reports it through the same
+all-reduce, and every rank raises ``ValueError`` (read back on CPU only, like the counters).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -63,7 +78,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_moe import _compat
 
-__all__ = ["found_inf_handler", "register_found_inf_handler"]
+__all__ = ["GradScaler", "found_inf_handler", "register_found_inf_handler"]
 
 _OP = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 
@@ -89,6 +104,10 @@ class _Sequence:
 
 
 _SEQUENCE = _Sequence()
+
+# ``local_only``: set by GradScaler around its inf checks, so that the handler runs them without
+# its all-reduce (Note [One agreement per unscale]); per thread, unset everywhere else.
+_AGREEING = threading.local()
 
 
 def _reduce_found_inf(found_inf: torch.Tensor) -> None:
@@ -136,6 +155,8 @@ def found_inf_handler(op, args: tuple, kwargs: dict) -> None:
         )
     local_grads = [_compat.local_tensor(g) if isinstance(g, DTensor) else g for g in grads]
     op(local_grads, found_inf, inv_scale, **kwargs)
+    if getattr(_AGREEING, "local_only", False):
+        return  # GradScaler agrees once per unscale_ (Note [One agreement per unscale])
     if dist.is_initialized() and dist.get_world_size() > 1:
         _reduce_found_inf(found_inf)
 
@@ -143,3 +164,77 @@ def found_inf_handler(op, args: tuple, kwargs: dict) -> None:
 def register_found_inf_handler() -> None:
     """Install :func:`found_inf_handler` as DTensor's handler for the inf check (idempotent)."""
     _compat.custom_op_handlers()[_OP] = found_inf_handler
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose skip-or-step decision every rank of the default process
+    group takes part in, whatever its grads are: DTensors on any meshes, plain tensors (a pipeline
+    stage without FSDP2 or EP), several dtypes.
+
+    Same arguments and methods as ``torch.amp.GradScaler``. Every rank must call
+    ``unscale_(opt)`` or ``step(opt)`` for the same number of optimizers, in the same order, and
+    each optimizer must hold at least one grad on every rank. See Note [One agreement per
+    unscale].
+
+    Collectives: one all-reduce (max) of ``found_inf`` and five counters over the default group
+    per ``unscale_`` (or ``step`` without it), none when the default group has one rank.
+
+    Raises:
+        ValueError: on every rank of the all-reduce (read back on CPU), when the ranks are out of
+            step or some rank's optimizer holds no grad.
+
+    Example::
+
+        scaler = dtensor_moe.optim.GradScaler("cpu")
+        scaler.scale(loss).backward()   # or a schedule's loss_fn returning scaler.scale(loss)
+        scaler.step(opt)                # every rank of every stage steps or skips together
+        scaler.update()
+    """
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's per-(device, dtype) inf check, locally, then one agreement over the ranks."""
+        _AGREEING.local_only = True
+        try:
+            per_device = _compat.grad_scaler_unscale_grads(
+                self, optimizer, inv_scale, found_inf, allow_fp16
+            )
+        finally:
+            _AGREEING.local_only = False
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            _agree(per_device, found_inf)
+        return per_device
+
+
+def _agree(per_device: dict[torch.device, torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Max-reduce this rank's ``found_inf`` over the default group once and write it into every
+    per-device ``found_inf``; the counters of Note [GradScaler across meshes] and a no-grad flag
+    ride along (Note [One agreement per unscale])."""
+    world = dist.group.WORLD
+    unscale, group = _SEQUENCE.advance(found_inf, world)
+    device = found_inf.device
+    mine = torch.zeros((), dtype=torch.float64, device=device)
+    for tensor in per_device.values():
+        mine = torch.maximum(mine, tensor.detach().reshape(()).to(device, torch.float64))
+    empty = 0.0 if per_device else 1.0
+    counts = torch.tensor([unscale, -unscale, group, -group, empty], dtype=torch.float64)
+    payload = torch.cat([mine.reshape(1), counts.to(device)])
+    dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=world)
+    for tensor in per_device.values():
+        tensor.copy_(payload[0])
+    if payload.device.type != "cpu":
+        return
+    reduced = payload.tolist()
+    if reduced[5] > 0:
+        raise ValueError(
+            "GradScaler: the optimizer holds no grad on "
+            f"{'this rank' if empty else 'another rank'}, so that rank has nothing to check "
+            "for inf; every rank must step an optimizer with at least one grad (give a stage's "
+            "optimizer the params of that stage only, and run its backward before the step)"
+        )
+    _check_sequence(reduced[1:5], unscale, group)

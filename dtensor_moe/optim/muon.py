@@ -534,18 +534,23 @@ def _check_param(p: Tensor, where: str) -> None:
             f"{where} has {_describe(p)}: a Partial param has no matrix to orthogonalize; "
             "redistribute it to Shard or Replicate placements"
         )
+    _check_tiles(p, where, "its local shard")
+
+
+def _check_tiles(t: DTensor, where: str, what: str) -> None:
+    """The local shard of ``t`` has the shape its placements give this rank."""
     expected = tuple(
         idx.numel()
         for idx in shard_indices(
-            p.shape, p.device_mesh.shape, p.placements, p.device_mesh.get_coordinate()
+            t.shape, t.device_mesh.shape, t.placements, t.device_mesh.get_coordinate()
         )
     )
-    local = tuple(_compat.local_tensor(p).shape)
+    local = tuple(_compat.local_tensor(t).shape)
     if local != expected:
         raise ValueError(
-            f"{where} has {_describe(p)}, and its local shard on rank {dist.get_rank()} has "
+            f"{where} has {_describe(t)}, and {what} on rank {dist.get_rank()} has "
             f"shape {local}, but those placements give this rank {expected}: the shards do "
-            "not tile the matrix. Build the param with distribute_tensor, or DTensor.from_local "
+            "not tile the matrix. Build it with distribute_tensor, or DTensor.from_local "
             "with torch.chunk-sized shards"
         )
 
@@ -693,10 +698,6 @@ class Muon(torch.optim.Optimizer):
 def _check_grad(p: Tensor, grad: Tensor, where: str) -> None:
     if grad.is_sparse:
         raise ValueError(f"{where}: Muon does not support sparse gradients")
-    if grad.shape != p.shape:
-        raise ValueError(
-            f"{where} has {_describe(p)} but its grad has shape {tuple(grad.shape)}"
-        )
     if isinstance(p, DTensor) != isinstance(grad, DTensor) or (
         isinstance(p, DTensor) and grad.device_mesh != p.device_mesh
     ):
@@ -704,6 +705,8 @@ def _check_grad(p: Tensor, grad: Tensor, where: str) -> None:
             f"{where} has {_describe(p)} but its grad has {_describe(grad)}: a grad must live "
             "on its param's mesh"
         )
+    if isinstance(grad, DTensor):
+        _check_tiles(grad, where, "its grad's local shard")
 
 
 def _align_grad(entry: _Entry) -> _Entry:

@@ -203,8 +203,7 @@ def test_capacity_drops_nothing_when_balanced():
 
 
 def test_config_check_and_repr():
-    with pytest.raises(TypeError, match=r"force_balanced_routing must be a bool \(True or "
-                       r"False\), got 1"):
+    with pytest.raises(TypeError, match=r"force_balanced_routing must be a bool, got 1"):
         MoEConfig(dim=D, hidden_dim=H, num_experts=4, top_k=2, force_balanced_routing=1)
     assert MoEConfig(dim=D, hidden_dim=H, num_experts=4, top_k=2).force_balanced_routing is False
     assert "force_balanced_routing=True" in repr(make_moe("softmax").router)

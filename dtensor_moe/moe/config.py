@@ -30,6 +30,18 @@ _DROP_POLICIES = ("probs", "position")
 # The float fields checked finite before any other check; ``capacity_factor``, the other one,
 # is checked (finite and positive, or None) with the capacity fields.
 _FLOAT_FIELDS = ("route_scale", "aux_loss_coeff", "z_loss_coeff", "init_std")
+# The bool fields, checked to be ``True`` or ``False`` before any other check: any other value
+# would be stored and read by its truthiness (``route_norm="no"`` would normalise).
+_BOOL_FIELDS = (
+    "route_norm",
+    "score_before_experts",
+    "use_expert_bias",
+    "shared_expert_gate",
+    "recompute_experts",
+    "fused_routed_step",
+    "pad_to_capacity",
+    "force_balanced_routing",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +160,7 @@ class MoEConfig:
     force_balanced_routing: bool = False
 
     def __post_init__(self) -> None:
+        self._check_bools()
         self._check_finite()
         self._check_router_dtype()
         self._check_sizes()
@@ -166,6 +179,15 @@ class MoEConfig:
         """Hidden width of the fused shared-expert MLP (``num_shared_experts * shared hidden``)."""
         per_expert = self.hidden_dim if self.shared_hidden_dim is None else self.shared_hidden_dim
         return self.num_shared_experts * per_expert
+
+    def _check_bools(self) -> None:
+        """Every bool field is ``True`` or ``False`` (not ``1``, ``0``, ``"no"`` or ``None``)."""
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"MoEConfig.{name} must be a bool, got {value!r}; pass True or False"
+                )
 
     def _check_finite(self) -> None:
         """Every float field is a finite real number (or ``None`` where allowed): a ``nan``
@@ -219,19 +241,6 @@ class MoEConfig:
             raise ValueError(
                 "MoEConfig.shared_expert_gate=True needs shared experts; set "
                 "num_shared_experts >= 1 or leave shared_expert_gate False"
-            )
-        if not isinstance(self.recompute_experts, bool):
-            raise TypeError(
-                f"MoEConfig.recompute_experts must be a bool, got {self.recompute_experts!r}"
-            )
-        if not isinstance(self.fused_routed_step, bool):
-            raise TypeError(
-                f"MoEConfig.fused_routed_step must be a bool, got {self.fused_routed_step!r}"
-            )
-        if not isinstance(self.force_balanced_routing, bool):
-            raise TypeError(
-                "MoEConfig.force_balanced_routing must be a bool (True or False), got "
-                f"{self.force_balanced_routing!r}"
             )
         if self.init_std <= 0:
             raise ValueError(f"MoEConfig.init_std must be positive, got {self.init_std}")
@@ -303,6 +312,16 @@ class MoEConfig:
                 f"MoEConfig.capacity_factor must be a positive finite number or None "
                 f"(dropless), got {factor!r}"
             )
+        if factor is not None and factor > self.num_experts:
+            enough = self.num_experts / self.top_k
+            raise ValueError(
+                f"MoEConfig.capacity_factor={factor!r} exceeds num_experts={self.num_experts}, "
+                "where the capacity ceil(capacity_factor * T * K / E) reaches all T * K pairs "
+                "of the batch (a larger factor only pads more rows, and a huge one overflows "
+                f"the capacity). num_experts / top_k = {enough:g} already gives every expert "
+                f"room for every pair it can receive: use a factor <= {enough:g}, or None for "
+                "dropless routing"
+            )
         fixed = self.capacity_per_expert
         if fixed is not None and (
             isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 1
@@ -319,10 +338,6 @@ class MoEConfig:
         if self.drop_policy not in _DROP_POLICIES:
             raise ValueError(
                 f"MoEConfig.drop_policy={self.drop_policy!r} is not one of {_DROP_POLICIES}"
-            )
-        if not isinstance(self.pad_to_capacity, bool):
-            raise TypeError(
-                f"MoEConfig.pad_to_capacity must be a bool, got {self.pad_to_capacity!r}"
             )
         if self.pad_to_capacity and not self.has_capacity:
             raise ValueError(

@@ -50,7 +50,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import with_comm
 from dtensor_moe import MoE, MoEMeshes, build_moe_meshes, collect_aux_losses
 from dtensor_moe.moe import load_stats, set_router_loss_scale
 from dtensor_moe.moe.config import AuxLossType
-from dtensor_moe.parallel import fully_shard_moe, parallelize_moe
+from dtensor_moe.parallel import fully_shard_moe, parallelize_moe, reduce_gradients
 from tests._dist import DistTestBase
 from tests._moe_model import DIM, VOCAB, Block, moe_config
 from tests.test_parallel_moe import close
@@ -155,7 +155,7 @@ def build_pipeline(
     schedule_cls,
     style: str,
     *,
-    fsdp: bool = False,
+    fsdp: bool | str = False,
     aux: AuxLossType | None = None,
     tp: int = 1,
     scaler: torch.amp.GradScaler | None = None,
@@ -165,6 +165,7 @@ def build_pipeline(
 ) -> Pipeline:
     """``aux``: the balance loss (with a z-loss) on the attach route, whose gradient the
     schedule's ``scale_grads`` averages over micro-batches; the reference collects it.
+    ``fsdp``: FSDP2 in every stage (``True``) or in the first only (``"first"``).
     ``tp=2``: each stage's 2 ranks run Megatron-style TP of the blocks' MLP (no SP) and EP
     borrows them, one pipeline in all. ``scaler``: the schedule's loss is scaled by it.
     ``divide``: the ``loss_fn`` divides by the number of micro-batches and the schedule runs
@@ -188,7 +189,7 @@ def build_pipeline(
             parallelize_module(block, meshes.dense["tp"],
                                {"up": ColwiseParallel(), "down": RowwiseParallel()})
         parallelize_moe(module, meshes, sequence_parallel=False)
-        if fsdp:  # one FSDP group per block, experts on "edp", the rest on "dp"
+        if fsdp is True or (fsdp == "first" and index == 0):  # a group per block
             fully_shard_moe(module, meshes, blocks=list(module.layers.values()),
                             reshard_after_forward=False)
         last = index == num_stages - 1
@@ -215,25 +216,6 @@ def build_pipeline(
     schedule = schedule_cls(stages[0] if style == "single" else stages, N_MICRO, **kwargs)
     return Pipeline(meshes=meshes, indices=indices, num_stages=num_stages, modules=modules,
                     schedule=schedule, ref=ref, loss_factor=factor, scaler_init=scaler_init)
-
-
-def sync_grads(pipe: Pipeline, *, fsdp: bool) -> None:
-    """What a training loop does before the optimizer step: the mean over the pipelines (the
-    stage's dp ranks). FSDP2 reduce-scatters it already; otherwise each dense grad is summed
-    over dp, a DTensor grad (routed experts: Shard(0) on ep, every token of the stage reached
-    them; TP-sharded weights: a Partial grad is summed over tp) is brought to its param's
-    placements, and each is divided by dp."""
-    if fsdp:
-        return
-    dp_group = pipe.meshes.dense.get_group("dp")
-    for module in pipe.modules:
-        for param in module.parameters():
-            grad = param.grad
-            if isinstance(grad, DTensor):
-                grad = grad.redistribute(placements=param.placements)
-            else:
-                dist.all_reduce(grad, group=dp_group)
-            param.grad = grad / pipe.meshes.dp
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -265,7 +247,7 @@ def check_training(
     has_last = pipe.num_stages - 1 in pipe.indices
     names = {n for m in modules for n, _ in m.named_parameters()}
     test.assertTrue(any(".moe.experts." in n for n in names), names)
-    if not fsdp:  # (FSDP2 makes every param a DTensor)
+    if fsdp is False:  # (FSDP2 makes every param a DTensor)
         sharded = {n for m in modules for n, p in m.named_parameters()
                    if isinstance(p, DTensor)}
         test.assertEqual(tp > 1, any(n.endswith(".up.weight") for n in sharded), sharded)
@@ -273,7 +255,7 @@ def check_training(
         losses: list[torch.Tensor] = []
         pipe.step(T[d * N_MICRO * b : (d + 1) * N_MICRO * b], losses)
         ref_losses = reference_step(ref, T, meshes.dp)
-        sync_grads(pipe, fsdp=fsdp)
+        reduce_gradients(modules, meshes)  # the mean over the pipelines (stage's dp ranks)
         at = f"{what} step {step}"
         if has_last:  # the schedule's losses are those of its loss_fn
             got = torch.stack(losses).detach() / pipe.loss_factor
@@ -335,6 +317,11 @@ class PipelineScheduleTest(DistTestBase):
     @with_comms
     def test_1f1b_fsdp(self):
         self._check(Schedule1F1B, "single", fsdp=True)
+
+    @with_comms
+    def test_1f1b_fsdp_in_one_stage(self):
+        # reduce_gradients: stage 0's grads reduced by FSDP2, stage 1's by the helper
+        self._check(Schedule1F1B, "single", fsdp="first")
 
     @with_comms
     def test_zero_bubble_v_fsdp(self):

@@ -19,10 +19,12 @@ own rows. The gradient of the mean over the global batch is the mean of those ra
   reduce-scattered and divided the gradient in backward already; nothing to do.
 
 A gradient whose placements differ from its param's (a ``Partial`` one) is redistributed to the
-param's placements first, as the optimizers need. A param whose gradient is reduced is marked,
-and a hook run after each backward's accumulation into its gradient clears the mark; a second
-call with no backward in between finds the mark and raises, on every rank alike, before any
-collective: the gradients would otherwise be divided twice.
+param's placements first, as the optimizers need. A param whose gradient is reduced is marked
+with its gradient tensor and that tensor's version. A backward clears the mark: through the
+param's post-accumulate-grad hook, or (the zero-bubble schedules' weight pass, which assigns or
+adds into ``param.grad`` itself) by a new gradient tensor or a new version. A second call with no
+backward in between finds the mark and raises, on every rank alike, before any collective: the
+gradients would otherwise be divided twice.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ __all__ = ["reduce_gradients"]
 
 _FSDP_DIMS = frozenset({"dp", "edp"})
 _EXPERT_DIMS = frozenset({"edp", "ep", "etp"})
-_MARK = "_dtensor_moe_grad_reduced"  # on a param: reduced, and no backward wrote to it since
+_MARK = "_dtensor_moe_grad_reduced"  # on a param: the _grad_state it was reduced in, or None
 
 
 def _modules(modules: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
@@ -71,15 +73,26 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
+def _grad_state(param: torch.Tensor) -> tuple[int, int]:
+    """Which gradient tensor ``param`` holds, and its version: both change when a backward
+    writes a new gradient or adds into the old one in place."""
+    return id(param.grad), _local(param.grad)._version
+
+
 def _backward_wrote(param: torch.Tensor) -> None:
     """Post-accumulate-grad hook: a backward wrote to ``param.grad`` since the last reduction."""
-    setattr(param, _MARK, False)
+    setattr(param, _MARK, None)
 
 
 def _mark_reduced(param: torch.Tensor) -> None:
     if not hasattr(param, _MARK):  # the first reduction of this param: watch its backwards
         param.register_post_accumulate_grad_hook(_backward_wrote)
-    setattr(param, _MARK, True)
+    setattr(param, _MARK, _grad_state(param))
+
+
+def _reduced(param: torch.Tensor) -> bool:
+    mark = getattr(param, _MARK, None)
+    return mark is not None and mark == _grad_state(param)
 
 
 @torch.no_grad()
@@ -109,7 +122,7 @@ def reduce_gradients(modules: nn.Module | Iterable[nn.Module], meshes: MoEMeshes
     meshes = require_meshes(meshes, "reduce_gradients")
     named = [(n, p) for m in _modules(modules) for n, p in m.named_parameters()]
     params = [p for _, p in named if p.grad is not None]
-    again = [n for n, p in named if p.grad is not None and getattr(p, _MARK, False)]
+    again = [n for n, p in named if p.grad is not None and _reduced(p)]
     if again:
         raise ValueError(
             f"reduce_gradients: the gradients of {again[:3]}{' ...' if len(again) > 3 else ''} "

@@ -7,7 +7,7 @@
     names = hf.replace_moe_blocks(model)   # swap every supported block in place
     sd = hf.to_hf_state_dict(model)        # HF keys and layouts, loadable with strict=True
 
-Needs the ``hf`` extra (``pip install "dtensor_moe[hf]"``); ``import dtensor_moe`` never
+Needs the ``hf`` extra (``pip install -e ".[hf]"`` from a checkout of this repository); ``import dtensor_moe`` never
 imports this module. ``docs/hf.md`` lists the families, the weight mapping and the limits.
 
 Note [HF block mapping]
@@ -76,7 +76,8 @@ try:
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
         "dtensor_moe.hf needs the Hugging Face transformers library, which is an optional "
-        'extra: pip install "dtensor_moe[hf]"'
+        'extra: run pip install -e ".[hf]" in a checkout of the dtensor_moe repository (the '
+        "package is not on a package index), or pip install 'transformers>=5,<6'"
     ) from error
 
 import torch

@@ -398,7 +398,7 @@ def test_missing_extra_says_how_to_install():
         "    print(e)\n"
     )
     assert run.returncode == 0, run.stderr
-    assert 'pip install "dtensor_moe[hf]"' in run.stdout, run.stdout
+    assert 'pip install -e ".[hf]" in a checkout' in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral"])

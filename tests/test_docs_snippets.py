@@ -212,3 +212,77 @@ def test_markers_are_known_and_pages_have_blocks():
     kinds = {s.kind for s in ALL}
     assert {"run", "fragment", "torchrun"} <= kinds, kinds
     assert any(s.page == "docs/training.md" and s.kind == "torchrun" for s in ALL)
+
+
+# Note [Quoted demo output]: the pages quote what the demo prints. Its text must be what the
+# demo prints now; its figures too, within what differs between CPUs: the parity differences
+# (float rounding, below 1e-3) within a factor of 4, every other figure (imbalance, shares,
+# tolerances, losses) exactly. Timings and throughput are not compared. The default demo runs
+# here (about 25 s on 2 cores); the pipeline demo's quote is compared with
+# DTENSOR_MOE_FULL_MATRIX=1 (about a minute).
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?%?")
+_QUOTED = ("parity:", "load balancing:", "loss:", "distributed run done")
+
+
+def _figures_agree(quoted: str, printed: str) -> bool:
+    if _NUMBER.sub("#", quoted) != _NUMBER.sub("#", printed):
+        return False
+    for q, p in zip(_NUMBER.findall(quoted), _NUMBER.findall(printed), strict=True):
+        qf, pf = float(q.rstrip("%")), float(p.rstrip("%"))
+        if qf < 1e-3 and pf < 1e-3 and "e" in q:
+            if not (qf / 4 <= pf <= qf * 4):
+                return False
+        elif q != p:
+            return False
+    return True
+
+
+def _quoted_lines(page: Path, starts: tuple[str, ...], marker: str) -> list[str]:
+    """The lines of ``page``'s ```text blocks that hold ``marker`` and start with one of
+    ``starts``."""
+    blocks = re.findall(r"```text\n(.*?)```", page.read_text(), re.S)
+    found = [b for b in blocks if marker in b]
+    return [line for b in found for line in b.splitlines() if line.startswith(starts)]
+
+
+def _check_quotes(pages: list[Path], output: str, marker: str) -> None:
+    printed = {line.split(":")[0].split(";")[0]: line for line in output.splitlines()
+               if line.startswith(_QUOTED)}
+    checked, wrong = 0, []
+    for page in pages:
+        for line in _quoted_lines(page, _QUOTED, marker):
+            key = line.split(":")[0].split(";")[0]
+            checked += 1
+            if key not in printed or not _figures_agree(line, printed[key]):
+                wrong.append(f"{page.relative_to(ROOT)} quotes\n  {line}\nthe demo prints\n  "
+                             f"{printed.get(key)}")
+    assert checked >= len(pages), f"no quoted demo output found in {pages}"
+    assert not wrong, "\n".join(wrong)
+
+
+def test_quoted_figures_helper():
+    good = "parity: max |loss difference| 4.77e-07 (tolerance 1e-05) -> OK; by 17%"
+    assert _figures_agree(good, good.replace("4.77e-07", "2.68e-07"))
+    assert not _figures_agree(good, good.replace("4.77e-07", "4.77e-05"))
+    assert not _figures_agree(good, good.replace("17%", "18%"))
+    assert not _figures_agree(good, good.replace("-> OK", "-> FAILED"))
+
+
+def _demo_output(args: list[str], tmp_path: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "dtensor_moe.demo", *args, "--out",
+                           str(tmp_path / "out")], cwd=tmp_path, env=_env(), text=True,
+                          capture_output=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_quoted_demo_output_is_printed(tmp_path):
+    output = _demo_output([], tmp_path)
+    _check_quotes([ROOT / "README.md", ROOT / "docs/quickstart.md"], output, "parity:")
+
+
+if os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1":  # the 8-process pipeline demo
+
+    def test_quoted_pipeline_demo_output_is_printed(tmp_path):
+        output = _demo_output(["--pp", "2", "--schedule", "1f1b"], tmp_path)
+        _check_quotes([ROOT / "docs/pipeline.md"], output, "micro-batches per step")

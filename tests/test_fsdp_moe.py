@@ -15,7 +15,7 @@ from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
 import dtensor_moe
-from dtensor_moe import MoE, MoEConfig
+from dtensor_moe import MoE, MoEConfig, _compat
 from dtensor_moe.parallel import ExpertParallel, build_moe_meshes, parallelize_moe
 from dtensor_moe.parallel.fsdp import expert_shard_dim, fully_shard_moe
 from tests._dist import DistTestBase
@@ -271,8 +271,20 @@ class FSDPMoETest(DistTestBase):
             ValueError, r"layers\.0\.moe\.experts\.w1 has local shape \(2, 30, 16\).*size 30"
         ):
             fully_shard_moe(make_model(num_experts=2, hidden_dim=30), meshes)
+        with self.assertRaisesRegex(TypeError, "blocks must be modules, got the string 'layers'"):
+            fully_shard_moe(make_model(), meshes, blocks="layers")
+        with self.assertRaisesRegex(
+            TypeError, "reshard_after_forward must be a bool or None, got 'yes'"
+        ):
+            fully_shard_moe(make_model(), meshes, reshard_after_forward="yes")
+        # an nn.ModuleDict of blocks (as under pipeline parallelism): its values; without
+        # pipeline parallelism the default reshards after forward
         model = make_model()
-        fully_shard_moe(model, meshes)
+        blocks = nn.ModuleDict({str(i): block for i, block in enumerate(model.layers)})
+        fully_shard_moe(model, meshes, blocks=blocks)
+        for block in model.layers:
+            self.assertIsInstance(block, FSDPModule)
+            self.assertTrue(_compat.fsdp_reshards_after_forward(block, root=False))
         with self.assertRaisesRegex(ValueError, "already sharded with fully_shard"):
             fully_shard_moe(model, meshes)
 

@@ -12,6 +12,7 @@ from dtensor_moe.parallel.overlap import overlap_f_b
 from dtensor_moe.parallel.padding import ShardDim, TokenShardMeta
 from dtensor_moe.parallel.pipeline import build_stage, check_batch, split_stage
 from dtensor_moe.parallel.plan import parallelize_moe
+from dtensor_moe.parallel.stages import check_schedule, check_stage_names
 from dtensor_moe.parallel.style import ExpertParallel, ExpertTensorParallel, PrepareMoEInput
 from dtensor_moe.parallel.token_parallel import TokenParallel, TokenSplit
 
@@ -28,6 +29,8 @@ __all__ = [
     "TokenShardMeta",
     "build_moe_meshes",
     "build_stage",
+    "check_schedule",
+    "check_stage_names",
     "check_batch",
     "dense_tp_plan",
     "expert_shard_dim",

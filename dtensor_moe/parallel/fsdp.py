@@ -57,6 +57,28 @@ def expert_shard_dim(num_experts: int, meshes: MoEMeshes) -> int:
     return 0 if local_experts % meshes.edp == 0 else 1
 
 
+def _as_blocks(blocks: Iterable[nn.Module] | nn.ModuleDict) -> list[nn.Module]:
+    """The blocks as a list: the values of an ``nn.ModuleDict`` (or any mapping of modules)."""
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
+    if isinstance(blocks, str):
+        raise TypeError(f"fully_shard_moe: blocks must be modules, got the string {blocks!r}")
+    return list(blocks)
+
+
+def _reshard(reshard_after_forward: bool | None, meshes: MoEMeshes) -> bool:
+    """Note [FSDP2 under V schedules]: ``None`` means ``True`` without pipeline parallelism and
+    ``False`` with it."""
+    if reshard_after_forward is None:
+        return meshes.pp == 1
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"fully_shard_moe: reshard_after_forward must be a bool or None, got "
+            f"{reshard_after_forward!r}"
+        )
+    return reshard_after_forward
+
+
 def _check_model(model: nn.Module, meshes: MoEMeshes, blocks: list[nn.Module]) -> list[MoE]:
     """Every check of :func:`fully_shard_moe`; local, so every rank raises before any collective."""
     if not isinstance(meshes, MoEMeshes):
@@ -64,6 +86,8 @@ def _check_model(model: nn.Module, meshes: MoEMeshes, blocks: list[nn.Module]) -
             f"fully_shard_moe expects the MoEMeshes of build_moe_meshes(...), got "
             f"{type(meshes).__name__}"
         )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fully_shard_moe: model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, FSDPModule):
         raise ValueError("fully_shard_moe: the model is already sharded with fully_shard")
     owned = {id(m) for m in model.modules()}
@@ -71,7 +95,8 @@ def _check_model(model: nn.Module, meshes: MoEMeshes, blocks: list[nn.Module]) -
         if id(block) not in owned or block is model:
             raise ValueError(
                 f"fully_shard_moe: every entry of blocks must be a strict submodule of the model; "
-                f"got {type(block).__name__}"
+                f"got {type(block).__name__}; pass the blocks themselves (the values of an "
+                "nn.ModuleDict, the entries of an nn.ModuleList)"
             )
     moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     for name, moe in moes:
@@ -111,8 +136,8 @@ def fully_shard_moe(
     model: nn.Module,
     meshes: MoEMeshes,
     *,
-    blocks: Iterable[nn.Module] = (),
-    reshard_after_forward: bool = True,
+    blocks: Iterable[nn.Module] | nn.ModuleDict = (),
+    reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: routed experts on ``"edp"``, the rest on ``"dp"``.
@@ -125,14 +150,24 @@ def fully_shard_moe(
 
     Keyword Args:
         blocks: submodules (e.g. transformer blocks) that get an FSDP group each, so their
-            all-gathers overlap with compute; the root gets the remaining params.
-        reshard_after_forward: passed to every ``fully_shard`` call.
+            all-gathers overlap with compute; the root gets the remaining params. An
+            ``nn.ModuleList``, a list, or an ``nn.ModuleDict`` (its values).
+        reshard_after_forward: passed to every ``fully_shard`` call. ``None`` (the default):
+            ``True`` when ``meshes.pp == 1``, ``False`` under pipeline parallelism, where the
+            V-shaped schedules need it (Note [FSDP2 under V schedules] in
+            ``dtensor_moe/parallel/stages.py``).
         mp_policy: mixed-precision policy passed to every ``fully_shard`` call.
 
     Returns:
         ``model``, now an ``FSDPModule``. Collectives (per FSDP group): all-gather of params in
         forward (and backward with ``reshard_after_forward``), reduce-scatter of grads in
         backward.
+
+    Raises:
+        TypeError: ``meshes`` is not an :class:`MoEMeshes`, ``reshard_after_forward`` is not a
+            bool or ``None``.
+        ValueError: the model is already sharded, a block is not a strict submodule, or an
+            expert weight does not split over ``edp``.
 
     Example::
 
@@ -141,9 +176,9 @@ def fully_shard_moe(
         fully_shard_moe(model, meshes, blocks=model.layers)
         opt = torch.optim.AdamW(model.parameters(), fused=True)   # one optimizer, two meshes
     """
-    blocks = list(blocks)
+    blocks = _as_blocks(blocks)
     moes = _check_model(model, meshes, blocks)
-    kwargs: dict = {"reshard_after_forward": reshard_after_forward}
+    kwargs: dict = {"reshard_after_forward": _reshard(reshard_after_forward, meshes)}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for moe in moes:

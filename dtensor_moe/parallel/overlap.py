@@ -55,6 +55,7 @@ import torch
 
 from dtensor_moe import _compat
 from dtensor_moe.parallel import exchange
+from dtensor_moe.parallel.stages import check_schedule
 
 # torch.distributed.pipelining is imported where it is used, not with the package: a process
 # that never builds a schedule does not load it (and _compat.in_pipeline_stage_forward then
@@ -74,8 +75,9 @@ def overlap_f_b(schedule: Any) -> Any:
     Raises:
         TypeError: ``schedule`` does not run ``OVERLAP_F_B`` actions (not a multi-stage
             runtime schedule such as ``ScheduleDualPipeV``).
-        ValueError: no pp rank's actions hold an ``OVERLAP_F_B`` action, or one of them is not
-            a forward and a backward sub-action.
+        ValueError: no pp rank's actions hold an ``OVERLAP_F_B`` action, one of them is not
+            a forward and a backward sub-action, or a stage holds an FSDP2 module that reshards
+            after forward (:func:`~dtensor_moe.parallel.check_schedule`).
         RuntimeError: this torch's schedule runtime has no per-action function to run the
             sub-actions with.
     """
@@ -98,6 +100,7 @@ def overlap_f_b(schedule: Any) -> Any:
         )
     for action in overlaps:
         _sides(action)  # raises on a malformed pair
+    check_schedule(schedule)  # Note [FSDP2 under V schedules]
     if not _compat.runtime_defines_perform_action():
         raise RuntimeError(
             f"overlap_f_b: torch {torch.__version__}'s pipeline runtime has no per-action "

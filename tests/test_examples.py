@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import shutil
@@ -58,3 +59,40 @@ def test_hf_moe_parallel_example(launcher, tmp_path):
     finally:
         if out is not None and not out_flag:
             shutil.rmtree(out, ignore_errors=True)
+
+
+TRAIN = "docs/examples/train_moe_pipeline.py"
+TRAIN_SMALL = ["--steps", "4", "--batch", "8", "--seq-len", "8", "--dim", "16", "--heads", "2",
+               "--vocab", "32", "--experts", "4", "--groups", "2", "--limited-groups", "1",
+               "--expert-dim", "8", "--warmup", "1", "--bias-rate", "1e-2", "--aux-coeff", "1e-2"]
+
+
+def _train(args: list[str], launcher: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *launcher, TRAIN, *TRAIN_SMALL, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_train_moe_pipeline_check_and_resume_at_another_layout(tmp_path):
+    # Run 1 (python, its own 4 gloo processes): pp2 x dp2 with EP2 per stage, 4 steps, --check
+    # against one process, a DCP checkpoint after step 2. Run 2 (torchrun): pp1 x dp4 with EP4
+    # resumes it for steps 3 and 4, whose losses, grad norms, learning rates and router counts
+    # must be run 1's (the expert biases show in the counts, the Adam state in the losses, the
+    # router-loss factor of gradient accumulation in the grad norms).
+    ckpt, first, resumed = tmp_path / "ckpt", tmp_path / "first.json", tmp_path / "resumed.json"
+    proc = _train(["--check", "--save-every", "2", "--ckpt-dir", str(ckpt),
+                   "--metrics", str(first)], HF_LAUNCHERS["python"])
+    assert re.search(r"(?m)^layout: pp=2 dp=2 tp=1 ep=2 ", proc.stdout), proc.stdout
+    assert "OK: the run matches one process" in proc.stdout, proc.stdout
+    assert (ckpt / "step-2" / ".metadata").is_file() and (ckpt / "step-4").is_dir()
+    _train(["--pp", "1", "--dp", "4", "--ep", "4", "--microbatches", "2", "--resume",
+            str(ckpt / "step-2"), "--metrics", str(resumed)], HF_LAUNCHERS["torchrun"])
+    before = json.loads(first.read_text())["steps"]
+    after = json.loads(resumed.read_text())["steps"]
+    assert [s["step"] for s in before] == [1, 2, 3, 4] and [s["step"] for s in after] == [3, 4]
+    for ours, theirs in zip(after, before[2:], strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(ours[key] - theirs[key]) <= 1e-5 * abs(theirs[key]), (key, ours, theirs)
+        assert ours["lr"] == pytest.approx(theirs["lr"], rel=1e-12), (ours, theirs)
+        assert ours["load"] == theirs["load"], (ours, theirs)

@@ -21,6 +21,8 @@ check of the params relies on. ``1f1b`` and ``gpipe`` run one stage per pp rank;
   the number of micro-batches, and FSDP2 averages over the ``dp`` pipelines. The demo has no
   router loss; its MoE layers use the attach route (``aux_loss_mode="attach"``), the one that
   works under a schedule (docs/pipeline.md).
+- **The stages** come from ``build_stage`` (static metadata, so torch runs no shape-inference
+  forward) and the step's grads pass ``reduce_gradients``, which leaves FSDP2's alone.
 - **The step** then reduces across the stages: ``clip_grad_norm_(..., pp_mesh=meshes.pp_mesh)``,
   ``load_stats(stages, meshes=meshes)`` (every layer, on every rank) and
   ``update_expert_bias(stages, rate, meshes=meshes)`` (each stage's own layers). The reported
@@ -41,7 +43,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -53,6 +54,7 @@ from dtensor_moe.demo.config import SCHEDULES, DemoConfig
 from dtensor_moe.demo.layout import apply_stage_layout
 from dtensor_moe.demo.model import MoETransformer
 from dtensor_moe.demo.train import build_model
+from dtensor_moe.parallel import build_stage, reduce_gradients
 
 __all__ = ["Pipeline", "StageModel", "full_params", "stage_indices"]
 
@@ -134,25 +136,20 @@ class Pipeline:
         indices = stage_indices(config, meshes.pp_rank)
         num_stages = config.num_stages
         b, L, D = config.microbatch_size, config.seq_len, config.model.dim
-        meta = dict(device="meta")
-        hidden = torch.empty(b, L, D, **meta, requires_grad=True)  # a gradient crosses stages
+        hidden = torch.empty(b, L, D)  # one micro-batch of one pipeline
         modules, stages = [], []
         for index in indices:
             module = StageModel(full, index, num_stages, tp_mesh)
             apply_stage_layout(module, meshes, sequence_parallel=config.sequence_parallel)
             last = index == num_stages - 1
-            logits = torch.empty(b, L, config.model.vocab_size, **meta, requires_grad=True)
             stages.append(
-                PipelineStage(
+                build_stage(
                     module,
-                    index,
-                    num_stages,
-                    torch.device("cpu"),
-                    input_args=torch.empty(b, L, dtype=torch.long, **meta)
-                    if index == 0
-                    else hidden,
-                    output_args=logits if last else hidden,
-                    group=meshes.pp_mesh.get_group(),
+                    meshes,
+                    stage_index=index,
+                    num_stages=num_stages,
+                    input_args=torch.empty(b, L, dtype=torch.long) if index == 0 else hidden,
+                    output_args=torch.empty(b, L, config.model.vocab_size) if last else hidden,
                 )
             )
             modules.append(module)
@@ -176,6 +173,7 @@ class Pipeline:
         last = self.config.num_stages - 1 in self.indices
         kwargs = dict(target=targets_BL, losses=losses) if last else {}
         self.schedule.step(*([inputs_BL] if 0 in self.indices else []), **kwargs)
+        reduce_gradients(self.modules, self.meshes)  # FSDP2 reduced them: no collective
         return torch.stack(losses).detach().mean() if last else None
 
     def global_loss(self, loss: torch.Tensor | None) -> float:

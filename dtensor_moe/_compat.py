@@ -104,11 +104,15 @@ def schema_of(op: torch._ops.OpOverload) -> torch._C.FunctionSchema:
 
 
 def clear_sharding_prop_cache() -> None:
-    """Drop the Python and C++ sharding-propagation caches after changing a rule or handler.
+    """Drop the Python sharding-propagation cache and this thread's C++ one (torch 2.13).
 
-    The same two calls as ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` (torch
-    2.13), made directly: importing ``torch.distributed.tensor.debug`` imports numpy (through its
-    sharding visualizer), which is not a dependency of torch or of dtensor_moe.
+    The same two calls as ``torch.distributed.tensor.debug._clear_sharding_prop_cache``, made
+    directly: importing ``torch.distributed.tensor.debug`` imports numpy (through its sharding
+    visualizer), which is not a dependency of torch or of dtensor_moe. The C++ cache is per
+    thread: other threads keep theirs. Call it only between DTensor ops, never from code that
+    can run inside one (a GC or weakref callback, ``__del__``, a handler): a clear during a
+    lookup on the same thread crashes the process. The package itself never calls it; see Note
+    [Registration leaves torch's sharding cache alone] in ``dtensor_moe/optim/fused.py``.
     """
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()

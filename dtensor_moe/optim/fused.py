@@ -397,6 +397,20 @@ def fused_optimizer_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict
     return _wrap_results(result, specs_per_list)
 
 
+# Note [Registration leaves torch's sharding cache alone]
+# ``register_strategies`` only adds entries to DTensor's handler table, and DTensor looks there
+# first: torch 2.13's C++ dispatch (``dispatchDTensorOp``) calls a handler before it builds a
+# sharding-cache key, so an op whose sharding torch cached earlier goes to the new handler on
+# its next call (``tests/test_sharding_cache_crash.py``). Clearing the caches would buy nothing
+# and is not safe at every point: the C++ cache is a per-thread hash map whose lookup calls
+# Python (``DTensorSpec.__eq__``), and a clear that runs inside a lookup on the same thread
+# (from a GC or weakref callback, a ``__del__``, anything that Python can reach there) frees the
+# entry being compared, and the process dies with SIGSEGV in the lookup (a key comparison,
+# ``c10::IValue::equals`` or inlined). A clear also reaches only the calling thread's cache. So the
+# package never clears torch's caches; ``_compat.clear_sharding_prop_cache`` is for tests that
+# check what the caches keep alive, called between ops.
+
+
 def register_strategies() -> None:
     """Install the DTensor handlers for every fused optimizer overload (idempotent).
 
@@ -405,8 +419,9 @@ def register_strategies() -> None:
     rules (which stay registered; logged at INFO) and covers the SGD, Adagrad, out-of-place and
     ``.out`` ones that have none. Also installs the GradScaler inf-check handler of
     :mod:`dtensor_moe.optim.scaler`. These entries of DTensor's handler table are the only
-    change it makes to torch (docs/optimizers.md, "Everything the import changes"). Clears
-    DTensor's sharding-propagation cache so the change takes effect at once.
+    change it makes to torch (docs/optimizers.md, "Everything the import changes"). They take
+    effect at once; torch's sharding-propagation caches are left alone (Note [Registration
+    leaves torch's sharding cache alone]). No communication.
     """
     global _REGISTERED
     from dtensor_moe.optim.scaler import register_found_inf_handler
@@ -423,4 +438,3 @@ def register_strategies() -> None:
             "are bypassed)", len(FUSED_OPS), [str(op) for op in replaced] or "none",
         )
     _REGISTERED = True
-    _compat.clear_sharding_prop_cache()

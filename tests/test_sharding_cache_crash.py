@@ -12,13 +12,15 @@ on four facts about torch 2.13, each pinned here, and on one change to the packa
 * so ``register_strategies`` leaves the cache alone: its entries survive a registration, and a
   registration inside a lookup is harmless (with the clear it had, the child dies with SIGSEGV).
 
-The crash runs in a forked child (``multiprocessing`` fork): its exit code is the signal. When
-a torch release makes a clear inside a lookup safe, ``test_clear_inside_a_lookup_crashes``
-fails and the Note can be revisited.
+The crash runs in a forked child (``multiprocessing`` fork) with glibc's ``M_PERTURB`` set,
+so that a read of freed memory fails at once: its exit code is the signal. When a torch
+release makes a clear inside a lookup safe, ``test_clear_inside_a_lookup_crashes`` fails and
+the Note can be revisited.
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import gc
 import multiprocessing
@@ -40,6 +42,7 @@ from dtensor_moe import _compat
 
 aten = torch.ops.aten
 LOOKUPS = 50  # lookups with a clear inside; each reads freed memory (20 always crashed)
+_M_PERTURB = -6  # glibc's mallopt parameter
 
 
 def _stats() -> tuple[int, int]:
@@ -131,6 +134,9 @@ def _lookups_with(inside) -> None:
     """In a forked child: ``LOOKUPS`` cache lookups, each calling ``inside()`` once from the
     key comparison (``DTensorSpec.__eq__``); exits 0 if the process survives."""
     faulthandler.disable()  # the expected crash needs no traceback in the test log
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc
+    if mallopt is not None:
+        mallopt(_M_PERTURB, 0xA5)  # freed memory is overwritten: a read of it fails at once
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     first = _dtensor(mesh)

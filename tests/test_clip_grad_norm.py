@@ -150,6 +150,18 @@ class ClipGradNormAcrossMeshesTest(DistTestBase):
         ref = torch.nn.utils.clip_grad_norm_(ref_single, 0.5, 3.0)
         torch.testing.assert_close(total, ref, rtol=RTOL, atol=0)
         torch.testing.assert_close(single.grad.full_tensor(), ref_single.grad, rtol=RTOL, atol=0)
+        # meshes= of one stage (pp == 1): the same as without it, no extra collective
+        moe_meshes = dtensor_moe.build_moe_meshes(dp=4, ep=1)
+        grads, full = _build_grads(meshes)
+        with CommDebugMode() as with_meshes:
+            total = clip(_with_grads(grads), 1e9, meshes=moe_meshes)
+        with CommDebugMode() as without:
+            clip(_with_grads(grads), 1e9)
+        torch.testing.assert_close(total, torch.nn.utils.get_total_norm(full), rtol=RTOL, atol=0)
+        self.assertEqual(with_meshes.get_comm_counts(), without.get_comm_counts())
+        with self.assertRaisesRegex(ValueError, r"pp_mesh=.* was given with meshes of one "
+                                    r"pipeline stage \(meshes.pp == 1\); leave pp_mesh out"):
+            clip(_with_grads(grads), 1.0, pp_mesh=moe_meshes.dense["dp"], meshes=moe_meshes)
         # why this function exists: torch's own stacks per-grad norms across meshes
         dtensor_params = [_param(g) for g in _build_grads(meshes)[0] if isinstance(g, DTensor)]
         with self.assertRaisesRegex(RuntimeError, "must have the same mesh"):

@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--groups", type=int, default=4, help="expert groups (group-limited routing)")
     add("--limited-groups", type=int, default=2, help="groups each token may use")
     add("--expert-dim", type=int, default=16, help="hidden width of each expert")
-    add("--lr", type=float, default=3e-3, help="peak learning rate")
+    add("--lr", type=float, default=1e-2, help="peak learning rate")
     add("--warmup", type=int, default=2, help="warmup steps, then cosine decay to --steps")
     add("--min-lr", type=float, default=0.1, help="final learning rate, as a share of --lr")
     add("--weight-decay", type=float, default=0.1)
@@ -502,7 +502,7 @@ def describe(t: Trainer) -> list[str]:
         f"top-{args.top_k}, sigmoid, {args.groups} groups / {args.limited_groups} per token, "
         f"1 shared expert, expert bias), {n_params:,} params",
         f"batch: {args.batch} sequences of {args.seq_len} tokens per step; {how}, "
-        f"{args.microbatches} micro-batches of {b} sequences per pipeline",
+        f"{args.microbatches} micro-batches of {b} sequence{'s' * (b != 1)} per pipeline",
     ]
 
 

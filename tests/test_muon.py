@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -66,6 +67,29 @@ def test_newton_schulz_batched_equals_per_matrix():
     assert torch.equal(bf, before)
 
 
+def test_float32_newton_schulz_and_torch_state_dicts():
+    # ns_dtype=float32 runs the same iteration in float32; a state_dict of torch.optim.Muon
+    # (no ns_dtype in its groups) loads and steps with torch's bfloat16
+    x = torch.randn(6, 10)
+    ortho = newton_schulz(x, (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+    assert ortho.dtype == torch.float32
+    assert (ortho.bfloat16().float() - newton_schulz(x, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+            .float()).abs().max() < 0.05
+    p = torch.ones(3, 4, requires_grad=True)
+    q = torch.ones(3, 4, requires_grad=True)
+    p.grad, q.grad = torch.randn(3, 4), torch.randn(3, 4)
+    ref = torch.optim.Muon([p])
+    ref.step()
+    ours = Muon([q], ns_dtype=torch.float32)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch would share the buffer
+    assert ours.param_groups[0]["ns_dtype"] == torch.bfloat16
+    q.data.copy_(p.detach())
+    q.grad = p.grad.clone()
+    ref.step()
+    ours.step()
+    assert torch.equal(p, q)
+
+
 def test_owners_spread_by_cost():
     # 1 large and 6 small matrices over 4 coordinates: the large one alone, the small ones
     # spread over the other three; ties rotate with the offset
@@ -113,6 +137,7 @@ def test_param_groups_of_the_tiny_lm_and_the_demo_model():
         (lambda: [torch.ones(2, 2)], {"adjust_lr_fn": "rms"}, "adjust_lr_fn 'rms' is not supp"),
         (lambda: [torch.ones(2, 2)], {"ns_steps": 100}, r"ns_steps must be an int in \[0, 100\)"),
         (lambda: [torch.ones(2, 2)], {"ns_coefficients": (1.0, 2.0)}, "three numbers"),
+        (lambda: [torch.ones(2, 2)], {"ns_dtype": torch.int32}, "ns_dtype must be a floating"),
         (lambda: [torch.ones(2, 2)], {"lr": torch.ones(2)}, "a tensor lr must have one element"),
         (lambda: [torch.ones(2, 2, dtype=torch.complex64)], {}, "Muon supports real params only"),
     ],

@@ -146,6 +146,13 @@ class MuonMeshesTest(DistTestBase):
             if m is not None and any(x.is_shard() or isinstance(x, _StridedShard) for x in pl)
         )
         self.assertLessEqual(sum(sent), STEPS * 2 * 2 * local_bf16)
+        total = torch.tensor(sum(sent) // STEPS)
+        dist.all_reduce(total)
+        # bytes over the wire per step, all ranks: every shard that is not on its owner, there
+        # and back, in bfloat16 (elements: rows_uneven 2 * 30, cols_tp 2 dp rows * 2 * 30,
+        # fsdp_tp and strided 2 * (24 + 24) each, experts_ep_etp 4 experts * 2 * 24,
+        # experts_edp 2 * 2 * 24: 660 elements, 1320 bytes)
+        self.assertExpectedInline(str(int(total)), """1320""")
         ref = _reference()
         for (name, mesh, _, placements), p, r in zip(LAYOUTS, params, ref, strict=True):
             full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -154,7 +161,23 @@ class MuonMeshesTest(DistTestBase):
             if mesh is not None:
                 self.assertEqual(buf.placements, placements, name)
                 self.assertEqual(buf.device_mesh, meshes[mesh], name)
+        self._check_float32_exchange(meshes)
         self._check_errors(meshes)
+
+    def _check_float32_exchange(self, meshes) -> None:
+        """ns_dtype=float32 moves and orthogonalizes float32: the same bits as Muon on the full
+        tensors in one process (whose float32 Newton-Schulz is checked in test_muon.py)."""
+        params = [p.requires_grad_() for p in self._params(meshes, -1)]
+        full = [_random(-1, shape).requires_grad_() for _, _, shape, _ in LAYOUTS]
+        opt = Muon(params, ns_dtype=torch.float32, **KW)
+        opt_full = Muon(full, ns_dtype=torch.float32, **KW)
+        for p, f, g in zip(params, full, self._params(meshes, 0), strict=True):
+            p.grad = g
+            f.grad = _full(g)
+        opt.step()
+        opt_full.step()
+        for (name, *_), p, f in zip(LAYOUTS, params, full, strict=True):
+            self.assertTrue(torch.equal(_full(p).detach(), f.detach()), name)
 
     def _check_errors(self, meshes) -> None:
         """Bad params raise on every rank that holds them, before any collective (none is

@@ -8,7 +8,8 @@ Note [Muon update]
 ~~~~~~~~~~~~~~~~~~
 :class:`Muon` takes the arguments, defaults and update of ``torch.optim.Muon`` (torch 2.13):
 per matrix, ``buf.lerp_(grad, 1 - momentum)``; the update ``grad.lerp(buf, momentum)``
-(Nesterov) or ``buf``; Newton-Schulz on that update in bfloat16 (:func:`newton_schulz`);
+(Nesterov) or ``buf``; Newton-Schulz on that update in bfloat16 (:func:`newton_schulz`;
+``ns_dtype``, an addition of dtensor_moe, picks another dtype);
 ``param.mul_(1 - lr * weight_decay)`` and ``param.add_(ortho, alpha=-adjusted_lr)`` with the lr
 scaled by the matrix's shape (``adjust_lr_fn``). Everything but Newton-Schulz is elementwise,
 so it runs on the local shards as they are. A 3-D param ``(E, m, n)`` is ``E`` matrices, one per
@@ -32,9 +33,10 @@ dims*), orthogonalized there, and its shards are sent back:
   each direction, over that mesh dim's process group, whatever the number of params in it.
   With two gather dims the matrix first comes together along the inner one, then along the
   outer one; no process group is created.
-* what moves is the bfloat16 update (Newton-Schulz casts to bfloat16 first, so the cast on the
-  sender gives the same bits), once to the owner and once back: each rank sends and receives at
-  most the bytes of its shards in bfloat16, and a matrix costs at most twice its bfloat16 bytes.
+* what moves is the update in ``ns_dtype`` (Newton-Schulz casts to it first, so the cast on the
+  sender gives the same bits), to the owner and back; what a rank keeps for itself stays out of
+  the collective. With one gather dim of ``g`` ranks a matrix moves ``(g - 1) / g`` of its
+  ``ns_dtype`` bytes each way; with two, ``(g_1 - 1) / g_1 + (g_2 - 1) / g_2``.
 * each rank's shard is placed in the full matrix by the global indices its placements give it
   (:func:`shard_indices`), so uneven and empty shards and ``_StridedShard`` are exact.
 
@@ -82,18 +84,20 @@ _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 
 def newton_schulz(
-    update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+    update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """Orthogonalize one matrix ``(m, n)`` or a batch of matrices ``(e, m, n)`` in bfloat16.
+    """Orthogonalize one matrix ``(m, n)`` or a batch of matrices ``(e, m, n)`` in ``dtype``.
 
-    The operations of ``torch.optim.Muon``'s Newton-Schulz iteration: cast to bfloat16,
+    The operations of ``torch.optim.Muon``'s Newton-Schulz iteration: cast to ``dtype``
+    (torch's: bfloat16),
     transpose when ``m > n``, divide by the Frobenius norm (at least ``eps``), then ``steps``
     quintic iterations with ``coefficients`` ``(a, b, c)``. A batch runs each matrix's
     iteration with ``torch.baddbmm`` and its own norm. The input is never modified. Local; no
     collective.
     """
     a, b, c = coefficients
-    x = update.to(torch.bfloat16, copy=True)
+    x = update.to(dtype, copy=True)
     tall = update.size(-2) > update.size(-1)
     if tall:
         x = x.mT
@@ -195,6 +199,7 @@ class _Exchange:
 
     mesh: DeviceMesh
     dims: tuple[int, ...]
+    dtype: torch.dtype  # what Newton-Schulz runs in, and what moves
     matrices: tuple[_Matrix, ...]
     split_dims: dict[tuple[int, int], int]  # (slot, mesh dim) -> matrix dim it splits (0 or 1)
     blocks: dict[int, dict[tuple[int, tuple[int, ...]], tuple[Tensor, Tensor]]]
@@ -258,8 +263,8 @@ def _gather_dims(param: Tensor) -> tuple[int, ...]:
 
 
 def _build_exchange(
-    mesh: DeviceMesh, dims: tuple[int, ...], slots: list[int], params: list[Tensor],
-    offset: int,
+    mesh: DeviceMesh, dims: tuple[int, ...], dtype: torch.dtype, slots: list[int],
+    params: list[Tensor], offset: int,
 ) -> _Exchange:
     """Owners and block indices of one exchange (every rank computes the same)."""
     items, costs = [], []
@@ -285,8 +290,8 @@ def _build_exchange(
     matrices = tuple(
         _Matrix(slot=s, expert=e, owner=o) for (s, e), o in zip(items, owners, strict=True)
     )
-    return _Exchange(mesh=mesh, dims=dims, matrices=matrices, split_dims=split_dims,
-                     blocks=blocks)
+    return _Exchange(mesh=mesh, dims=dims, dtype=dtype, matrices=matrices,
+                     split_dims=split_dims, blocks=blocks)
 
 
 def _coords_along(my: tuple[int, ...], dims: tuple[int, ...], mesh: DeviceMesh):
@@ -310,23 +315,35 @@ def _group_order(mesh: DeviceMesh, dim: int) -> tuple[dist.ProcessGroup, list[in
     return group, [position[r] for r in dist.get_process_group_ranks(group)]
 
 
+def _flat(blocks: list[Tensor], dtype: torch.dtype, device: str) -> Tensor:
+    if not blocks:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat([t.reshape(-1) for t in blocks])
+
+
 def _all_to_all(
-    send: list[list[Tensor]], recv_numels: list[int], dim: int, mesh: DeviceMesh
+    send: list[list[Tensor]], recv_numels: list[int], dim: int, ex: _Exchange
 ) -> list[Tensor]:
-    """One ``all_to_all_single`` over ``mesh`` dim ``dim``: ``send[c]`` (bfloat16 blocks) goes to
-    coordinate ``c``; returns the flat bfloat16 buffer received from each coordinate."""
+    """One ``all_to_all_single`` over ``ex.mesh`` dim ``dim``: ``send[c]`` (blocks of
+    ``ex.dtype``) goes to coordinate ``c``; returns the flat buffer received from each
+    coordinate. What a rank sends itself stays out of the collective."""
+    mesh = ex.mesh
     group, coords = _group_order(mesh, dim)
-    flat = [torch.cat([t.reshape(-1) for t in send[c]]) if send[c] else None for c in coords]
-    empty = torch.empty(0, dtype=torch.bfloat16, device=mesh.device_type)
-    inp = torch.cat([f for f in flat if f is not None] or [empty])
-    out = torch.empty(sum(recv_numels), dtype=torch.bfloat16, device=inp.device)
-    in_splits = [0 if f is None else 2 * f.numel() for f in flat]
-    out_splits = [2 * recv_numels[c] for c in coords]
+    me = mesh.get_coordinate()[dim]
+    size = ex.dtype.itemsize
+    flat = {c: _flat(send[c], ex.dtype, mesh.device_type) for c in coords}
+    inp = torch.cat([flat[c] for c in coords if c != me] or [flat[me]])
+    out = torch.empty(sum(recv_numels) - recv_numels[me], dtype=ex.dtype, device=inp.device)
+    in_splits = [0 if c == me else size * flat[c].numel() for c in coords]
+    out_splits = [0 if c == me else size * recv_numels[c] for c in coords]
     # bytes as uint8: gloo's all-to-all takes neither bfloat16 nor int16
     dist.all_to_all_single(
-        out.view(torch.uint8), inp.view(torch.uint8), out_splits, in_splits, group=group
+        out.view(torch.uint8), inp[: sum(in_splits) // size].view(torch.uint8), out_splits,
+        in_splits, group=group,
     )
-    pieces = dict(zip(coords, out.split([recv_numels[c] for c in coords]), strict=True))
+    others = [c for c in coords if c != me]
+    pieces = dict(zip(others, out.split([recv_numels[c] for c in others]), strict=True))
+    pieces[me] = flat[me]
     return [pieces[c] for c in range(mesh.size(dim))]
 
 
@@ -352,7 +369,7 @@ def _gather_phase(ex: _Exchange, held: dict[int, Tensor], j: int, my: tuple[int,
         send[ex.matrices[i].owner[j]].append(held.pop(i))
     kept = [i for i in active if ex.matrices[i].owner[j] == my[d]]
     shapes = [[_block_shape(ex, i, _at(my, d, c), j) for i in kept] for c in range(size)]
-    got = _all_to_all(send, [sum(r * k for r, k in s) for s in shapes], d, ex.mesh)
+    got = _all_to_all(send, [sum(r * k for r, k in s) for s in shapes], d, ex)
     for pos, i in enumerate(kept):
         parts = []
         for c in range(size):
@@ -381,7 +398,7 @@ def _scatter_phase(ex: _Exchange, held: dict[int, Tensor], j: int, my: tuple[int
         [_block_shape(ex, i, my, j) for i in active if ex.matrices[i].owner[j] == c]
         for c in range(size)
     ]
-    got = _all_to_all(send, [sum(r * k for r, k in s) for s in shapes], d, ex.mesh)
+    got = _all_to_all(send, [sum(r * k for r, k in s) for s in shapes], d, ex)
     offsets = [0] * size
     for i in active:
         c = ex.matrices[i].owner[j]
@@ -438,7 +455,7 @@ def _orthogonalize_owned(
 
 
 def _run_exchange(ex: _Exchange, entries: list[_Entry], updates: dict[int, Tensor]) -> None:
-    """Orthogonalize the updates of ``ex``'s params in place of ``updates`` (bfloat16 local
+    """Orthogonalize the updates of ``ex``'s params in place of ``updates`` (``ex.dtype`` local
     shards). Collectives: ``2 * len(ex.dims)`` ``all_to_all_single`` (Note [Owner assembly])."""
     my = tuple(ex.mesh.get_coordinate())
     held = {
@@ -472,7 +489,7 @@ class _Entry:
     momentum: float
     nesterov: bool
     adjust_lr_fn: str | None
-    ns: tuple  # (coefficients, steps, eps): the arguments of newton_schulz after the update
+    ns: tuple  # (coefficients, steps, eps, dtype): newton_schulz's arguments after the update
 
 
 def _describe(p: Tensor) -> str:
@@ -501,6 +518,12 @@ def _check_hyper(group: dict, where: str) -> None:
     steps = group["ns_steps"]
     if not isinstance(steps, int) or not 0 <= steps < 100:
         raise ValueError(f"{where}: ns_steps must be an int in [0, 100), got {steps!r}")
+    dtype = group["ns_dtype"]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"{where}: ns_dtype must be a floating-point torch.dtype (torch's Muon: "
+            f"torch.bfloat16), got {dtype!r}"
+        )
     if len(tuple(group["ns_coefficients"])) != 3:
         raise ValueError(
             f"{where}: ns_coefficients must be three numbers (a, b, c), got "
@@ -606,6 +629,8 @@ class Muon(torch.optim.Optimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -616,10 +641,17 @@ class Muon(torch.optim.Optimizer):
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
+            "ns_dtype": ns_dtype,
         }
         _check_hyper(defaults, "Muon")
         self._exchanges: dict[tuple, _Exchange] = {}
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Also for a ``state_dict`` of ``torch.optim.Muon``, whose groups have no ``ns_dtype``."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("ns_dtype", torch.bfloat16)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``Optimizer.add_param_group``, then the group's settings and params are checked."""
@@ -667,7 +699,8 @@ class Muon(torch.optim.Optimizer):
                     param=p, grad=p.grad, buf=state["momentum_buffer"], lr=lr,
                     weight_decay=group["weight_decay"], momentum=group["momentum"],
                     nesterov=group["nesterov"], adjust_lr_fn=group["adjust_lr_fn"],
-                    ns=(tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"]),
+                    ns=(tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"],
+                        group["ns_dtype"]),
                 ))
         return entries
 
@@ -678,16 +711,17 @@ class Muon(torch.optim.Optimizer):
         for slot, entry in enumerate(entries):
             dims = _gather_dims(entry.param)
             if dims:
-                by_key.setdefault((entry.param.device_mesh, dims), []).append(slot)
+                key = (entry.param.device_mesh, dims, entry.ns[3])
+                by_key.setdefault(key, []).append(slot)
         plans, cache, offset = [], {}, 0
         params = [e.param for e in entries]
-        for (mesh, dims), slots in by_key.items():
-            key = (mesh, dims, tuple(
+        for (mesh, dims, dtype), slots in by_key.items():
+            key = (mesh, dims, dtype, offset, tuple(
                 (s, tuple(params[s].shape), tuple(params[s].placements)) for s in slots
             ))
             ex = self._exchanges.get(key)
             if ex is None:
-                ex = _build_exchange(mesh, dims, slots, params, offset)
+                ex = _build_exchange(mesh, dims, dtype, slots, params, offset)
             cache[key] = ex
             plans.append(ex)
             offset += len(ex.matrices)
@@ -722,13 +756,13 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _momentum_update(entry: _Entry) -> Tensor:
-    """Momentum on the local shards, and the bfloat16 update Newton-Schulz takes (elementwise,
+    """Momentum on the local shards, and the update cast to ``ns_dtype`` (elementwise,
     so the same bits as on the full tensor); local params are orthogonalized here already."""
     grad, buf = _local(entry.grad), _local(entry.buf)
     buf.lerp_(grad, 1 - entry.momentum)
     update = grad.lerp(buf, entry.momentum) if entry.nesterov else buf
     if _gather_dims(entry.param):
-        return update.to(torch.bfloat16, copy=True)
+        return update.to(entry.ns[3], copy=True)
     return newton_schulz(update, *entry.ns)
 
 

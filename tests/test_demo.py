@@ -230,6 +230,20 @@ def test_pipeline_flag_stops_before_starting(tmp_path):
     assert not os.path.exists(tmp_path / "metrics.json")
 
 
+def test_muon_keeps_parity(tmp_path):
+    # --optimizer muon on the default layout (dp2 x tp2 with SP, EP2, FSDP2): Muon assembles the
+    # TP- and FSDP-split matrices on owner ranks; the parity proof against the one-process rerun
+    # (the same optimizers on plain tensors) must pass.
+    out = str(tmp_path / "out")
+    flags = ["--optimizer", "muon", "--no-compare-balance", *SMALL, "--out", out]
+    proc = _run([sys.executable, "-m", "dtensor_moe.demo", *flags])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dtensor_moe.optim.Muon (match_rms_adamw, float32" in proc.stdout, proc.stdout
+    assert "-> OK" in proc.stdout, proc.stdout
+    metrics = _check_metrics(out, steps=6)
+    assert metrics["config"]["optimizer"] == "muon"
+
+
 def test_pipeline_1f1b_eight_processes(tmp_path):
     # --pp 2 --schedule 1f1b on 8 processes: two stages, each dp2 x tp2 with SP and EP2 (the
     # default layout), FSDP2 in each stage; 4 micro-batches of one sequence per pipeline. The
@@ -312,6 +326,7 @@ def test_defaults():
     assert config.sequence_parallel and not config.expert_tp
     assert _resolve(["--ep", "1"]).expert_tp  # experts then split over tp by expert TP
     assert config.balance and config.model.moe.use_expert_bias
+    assert config.optimizer == "adamw" and _resolve(["--optimizer", "muon"]).optimizer == "muon"
     assert isinstance(build_parser().parse_args([]), argparse.Namespace)
 
 

@@ -12,12 +12,23 @@ from dataclasses import dataclass
 from dtensor_moe import MoEConfig
 from dtensor_moe.demo.model import ModelConfig
 
-__all__ = ["SCHEDULES", "DemoConfig", "LayoutError", "build_parser", "resolve_config"]
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "DemoConfig",
+    "LayoutError",
+    "build_parser",
+    "resolve_config",
+]
 
 DEFAULT_WORLD = 4  # processes of one pipeline stage (of the whole run without --pp)
 
 # --schedule: torch.distributed.pipelining schedule, and how many stages each pp rank runs
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+
+# --optimizer: one fused AdamW over every param, or Muon for the hidden matrices and routed
+# experts with AdamW for the rest (dtensor_moe.optim.muon_param_groups)
+OPTIMIZERS = ("adamw", "muon")
 
 
 class LayoutError(ValueError):
@@ -50,6 +61,7 @@ class DemoConfig:
     pp: int = 1
     schedule: str = "1f1b"
     microbatches: int = 1
+    optimizer: str = "adamw"
 
     @property
     def tokens_per_step(self) -> int:
@@ -190,7 +202,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--seq-len", type=int, default=64, help="tokens per sequence; need not be divisible by tp"
     )
-    train.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    train.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="adamw: one fused AdamW over every param. muon: dtensor_moe.optim.Muon for the "
+        "hidden matrices and routed experts (adjust_lr_fn='match_rms_adamw', so it shares "
+        "--lr) and a fused AdamW for embeddings, head, norms and router gates",
+    )
+    train.add_argument(
+        "--lr",
+        type=float,
+        default=3e-3,
+        help="learning rate (AdamW's, and Muon's with --optimizer muon)",
+    )
     train.add_argument(
         "--max-norm",
         type=float,
@@ -487,4 +512,5 @@ def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
         pp=args.pp,
         schedule=schedule,
         microbatches=microbatches,
+        optimizer=args.optimizer,
     )

@@ -58,6 +58,7 @@ from dtensor_moe.demo.report import (
 )
 from dtensor_moe.demo.train import (
     build_model,
+    optimizer_line,
     run_single_process,
     run_single_process_with_params,
     train,
@@ -300,7 +301,7 @@ def _print_header(
     for line in mesh_lines:
         say(f"  params on {line}")
     say(
-        f"one fused AdamW over all params; dtensor_moe.clip_grad_norm_(max_norm={config.max_norm}) "
+        f"{optimizer_line(config)}; dtensor_moe.clip_grad_norm_(max_norm={config.max_norm}) "
         f"across {across}; load balancing {'on' if config.balance else 'off'}"
     )
     say(

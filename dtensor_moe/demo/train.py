@@ -15,7 +15,9 @@ One step, on every rank (Note [Demo step]):
    params live on; it returns the global norm before clipping;
 4. read the router counters (tokens per expert since the last step), summed over all ranks:
    :func:`dtensor_moe.moe.load_stats`, one all-reduce for every layer;
-5. one fused ``AdamW.step()`` over every param;
+5. the optimizer step: one fused ``AdamW.step()`` over every param, or with ``--optimizer muon``
+   :class:`dtensor_moe.optim.Muon` over the hidden matrices and routed experts and a fused
+   AdamW over the rest (:func:`build_optimizers`);
 6. ``update_expert_bias`` (aux-loss-free balancing) or, with ``--no-balance``, reset the
    counters.
 
@@ -58,6 +60,8 @@ if TYPE_CHECKING:
 __all__ = [
     "StepRecord",
     "build_model",
+    "build_optimizers",
+    "optimizer_line",
     "microbatch_rows",
     "run_single_process",
     "run_single_process_with_params",
@@ -82,6 +86,37 @@ def build_model(config: ModelConfig, seed: int) -> MoETransformer:
     """The model with the weights of ``seed``: the same in every process."""
     torch.manual_seed(seed)
     return MoETransformer(config)
+
+
+def build_optimizers(model: nn.Module, config: DemoConfig) -> list[torch.optim.Optimizer]:
+    """The optimizers of ``config.optimizer`` over ``model``'s params.
+
+    ``"adamw"``: one fused AdamW. ``"muon"``: the recipe of docs/optimizers.md (Muon):
+    :class:`~dtensor_moe.optim.Muon` with ``adjust_lr_fn="match_rms_adamw"`` at ``config.lr``
+    for the params :func:`~dtensor_moe.optim.muon_param_groups` picks, and a fused AdamW at the
+    same lr for the others. Newton-Schulz runs in float32 (``ns_dtype``): on a CPU it is many
+    times faster than bfloat16, and the parity proof needs the distributed run and its rerun to
+    differ by float32 rounding only; torch's bfloat16 iteration turns the last-bit differences
+    of the grads into bfloat16 ones, which then decide a near-tied routing within a few dozen
+    steps.
+    """
+    if config.optimizer == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=config.lr, fused=True)]
+    groups = dtensor_moe.optim.muon_param_groups(model)
+    muon = dtensor_moe.optim.Muon(
+        groups.muon, lr=config.lr, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32
+    )
+    return [muon, torch.optim.AdamW(groups.adamw, lr=config.lr, fused=True)]
+
+
+def optimizer_line(config: DemoConfig) -> str:
+    """How the demo steps, in words, for its header."""
+    if config.optimizer == "adamw":
+        return "one fused AdamW over all params"
+    return (
+        "dtensor_moe.optim.Muon (match_rms_adamw, float32 Newton-Schulz) over the hidden "
+        "matrices and routed experts, fused AdamW over the rest"
+    )
 
 
 def _routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:
@@ -173,7 +208,7 @@ def train(
     ``model`` is an ``nn.ModuleList`` of this rank's stage modules, and ``pipeline`` runs the
     forward and backward of every micro-batch.
     """
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, fused=True)
+    opts = build_optimizers(model, config)
     balance = any(router.expert_bias is not None for router in _routers(model))
     local_batch = config.batch // dp_size
     records = []
@@ -192,8 +227,9 @@ def train(
         )
         load = _load(model, group, pipeline)
         counts_ME = torch.tensor([layer.counts for layer in load], dtype=torch.float64)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if balance and pipeline is not None:
             update_expert_bias(model, config.bias_rate, meshes=pipeline.meshes)
         elif balance:

@@ -3,8 +3,9 @@ before any step, or the default is the safe one.
 
 * Stage modules split from an ``nn.ModuleList`` (``del`` renumbers it) hold the same names on
   both stages; a checkpoint would then store both stages' tensors under the same keys.
-  ``check_stage_names`` refuses them on every rank; an ``nn.ModuleDict`` keyed by the layer
-  index passes, before and after ``parallelize_dense`` and ``fully_shard_moe``.
+  ``check_stage_names`` (and ``build_stage``, which runs it) refuses them on every rank; an
+  ``nn.ModuleDict`` keyed by the layer index passes, before and after ``parallelize_dense`` and
+  ``fully_shard_moe``.
 * ``fully_shard_moe`` keeps the params gathered after forward by default when ``pp > 1``, and
   ``check_schedule`` / ``overlap_f_b`` refuse ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``
   over stages that reshard after forward (torch 2.13 leaves grads ``None`` or wrong there).
@@ -26,6 +27,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import with_comm
 from dtensor_moe import MoE, MoEConfig, _compat, build_moe_meshes
 from dtensor_moe.parallel import (
     DenseNames,
+    build_stage,
     check_schedule,
     check_stage_names,
     fully_shard_moe,
@@ -96,6 +98,11 @@ class StageTrapsTest(DistTestBase):
                 check_stage_names(modules, meshes)
             counts = {str(k): v for k, v in mode.get_comm_counts().items()}
             self.assertEqual(counts, {"c10d.allgather_": 2}, "only all_gather_object's")
+        # build_stage runs the check (every recipe builds its stages on every rank)
+        x = torch.empty(2, 8)
+        with self.assertRaisesRegex(ValueError, clash.replace("check_stage_names", "build_stage")):
+            build_stage(renumbered, meshes, stage_index=meshes.pp_rank, num_stages=2,
+                        input_args=x, output_args=x)  # fmt: skip
         # a rank's own two stages are compared with each other only when passed together
         both = [stage_of(Net(nn.ModuleList), (0,)), stage_of(Net(nn.ModuleList), (1,))]
         with self.assertRaisesRegex(ValueError, r"held by more than one pipeline stage module"):

@@ -37,15 +37,17 @@ Not supported by ``torch.amp.GradScaler`` (these break the contract): a rank who
 has no DTensor grad in a step (for example a pipeline stage of plain tensors, or one whose grads
 are all ``None``), a rank that skips ``unscale_``/``step``, and dtype sets that differ between
 ranks. No rank can see that before communicating: a rank of plain grads never reaches the
-handler, and the others wait for it in the all-reduce. Use :class:`GradScaler` (below) there. What can be caught cheaply is caught: each all-reduce carries this rank's
-``unscale_`` count and the index of the dtype group within it, as ``(n, -n)`` pairs reduced with
-max, so every rank learns the largest and the smallest count from the same all-reduce. When
-they differ, every rank that took part raises the same ``ValueError`` instead of drifting
-apart. This works when the mismatched all-reduces meet each other; if a rank first waits in
-another collective (a pipeline send, an FSDP all-gather), the job hangs until the process
-group's timeout. The counts belong to the default group: a new default group starts them at 0.
-Reading them back is free on CPU; on an accelerator the check is skipped, to keep the step free
-of host syncs (the all-reduce is the same).
+handler, and the others wait for it in the all-reduce. Use :class:`GradScaler` (below) there.
+
+What can be caught cheaply is caught: each all-reduce carries this rank's ``unscale_`` count and
+the index of the dtype group within it, as ``(n, -n)`` pairs reduced with max, so every rank
+learns the largest and the smallest count from the same all-reduce. When they differ, every rank
+that took part raises the same ``ValueError`` instead of drifting apart. This works when the
+mismatched all-reduces meet each other; if a rank first waits in another collective (a pipeline
+send, an FSDP all-gather), the job hangs until the process group's timeout. The counts belong to
+the default group: a new default group starts them at 0. Reading them back is free on CPU; on an
+accelerator the check is skipped, to keep the step free of host syncs (the all-reduce is the
+same).
 
 Nothing here is cached: the handler keeps no mesh, group or tensor alive (the counters keep
 weak references to the default group and to the current ``found_inf``).

@@ -24,6 +24,7 @@ from torch import nn
 
 from dtensor_moe import _compat
 from dtensor_moe.parallel.mesh import MoEMeshes, require_meshes
+from dtensor_moe.parallel.stages import check_stage_names
 
 __all__ = ["build_stage", "check_batch", "split_stage"]
 
@@ -135,10 +136,14 @@ def build_stage(
             device of the meshes' type.
 
     Returns:
-        a ``torch.distributed.pipelining.PipelineStage``. No collective.
+        a ``torch.distributed.pipelining.PipelineStage``. Collectives: one
+        ``all_gather_object`` over ``meshes.pp_mesh`` that compares the stages' param and buffer
+        names (:func:`~dtensor_moe.parallel.check_stage_names`), so call it on every rank, once
+        per stage.
 
     Raises:
-        ValueError: ``meshes.pp == 1``, or a stage index or count that does not fit the meshes.
+        ValueError: ``meshes.pp == 1``, a stage index or count that does not fit the meshes, or
+            (on every rank) a name that two stage modules hold.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -155,6 +160,7 @@ def build_stage(
         device = torch.device(kind) if kind == "cpu" else torch.device(
             kind, torch.get_device_module(kind).current_device()
         )
+    check_stage_names(module, meshes, caller="build_stage")  # Note [Stage names]
     return PipelineStage(
         module,
         stage_index,

@@ -24,7 +24,7 @@ from torch import nn
 
 from dtensor_moe import _compat
 from dtensor_moe.parallel.mesh import MoEMeshes, require_meshes
-from dtensor_moe.parallel.stages import check_stage_names
+from dtensor_moe.parallel.stages import check_schedule, check_stage_names
 
 __all__ = ["build_stage", "check_batch", "split_stage"]
 
@@ -184,8 +184,12 @@ def check_batch(
     of micro-batches. Every rank learns every rank's figures and raises the same ``ValueError``,
     so no rank goes on into the schedule's sends and collectives while another stops.
 
+    It also runs :func:`~dtensor_moe.parallel.check_schedule` (a V-shaped schedule over FSDP2
+    modules that reshard after forward raises; no collective).
+
     Collectives: one ``all_gather`` of 4 integers per rank over the default group.
     """
+    check_schedule(schedule)
     stages = _compat.schedule_stages(schedule)
     n_micro = _compat.schedule_microbatches(schedule)
     rows = [_compat.stage_microbatch_rows(stage) for stage in stages]

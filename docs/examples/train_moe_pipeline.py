@@ -111,7 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--stats-every", type=int, default=4, help="print the load statistics every N steps")
     add("--check", action="store_true", help="compare with the same steps in one process")
     add("--metrics", default=None, metavar="FILE", help="write every step's figures as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.batch % (args.dp * args.microbatches):
+        p.error(f"--batch {args.batch} must split into --dp {args.dp} pipelines of "
+                f"--microbatches {args.microbatches} equal micro-batches")
+    if args.layers % args.pp or args.layers < 2:
+        p.error(f"--layers {args.layers} must be >= 2 and split evenly into --pp {args.pp} "
+                "stages")
+    return args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,22 +513,16 @@ def describe(t: Trainer) -> list[str]:
     ]
 
 
-def validate(args: argparse.Namespace) -> None:
-    """Checks of the flags that every rank makes alike, before any collective."""
+def check_world(args: argparse.Namespace) -> None:
+    """Under torchrun: the degrees must fill the world (every rank decides alike)."""
     world = dist.get_world_size()
     if args.pp * args.dp * args.tp != world:
         raise SystemExit(f"--pp {args.pp} x --dp {args.dp} x --tp {args.tp} must be the "
                          f"world size {world}")
-    if args.batch % (args.dp * args.microbatches):
-        raise SystemExit(f"--batch {args.batch} must split into --dp {args.dp} pipelines of "
-                         f"--microbatches {args.microbatches} equal micro-batches")
-    if args.layers % args.pp or args.layers < 2:
-        raise SystemExit(f"--layers {args.layers} must be >= 2 and split evenly into --pp "
-                         f"{args.pp} stages")
 
 
 def main(args: argparse.Namespace) -> None:
-    validate(args)
+    check_world(args)
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
     t = build_trainer(args)

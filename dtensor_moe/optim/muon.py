@@ -203,6 +203,8 @@ class _Exchange:
     matrices: tuple[_Matrix, ...]
     split_dims: dict[tuple[int, int], int]  # (slot, mesh dim) -> matrix dim it splits (0 or 1)
     blocks: dict[int, dict[tuple[int, tuple[int, ...]], tuple[Tensor, Tensor]]]
+    groups: dict[int, tuple[dist.ProcessGroup, list[int]]]  # gather dim -> _group_order
+    in_order: frozenset[int]  # owned matrices whose assembled block is the matrix as it is
 
 
 def _matrix_cost(shape: Sequence[int]) -> int:
@@ -290,8 +292,14 @@ def _build_exchange(
     matrices = tuple(
         _Matrix(slot=s, expert=e, owner=o) for (s, e), o in zip(items, owners, strict=True)
     )
+    in_order = frozenset(
+        i for i, m in enumerate(matrices)
+        if m.owner == tuple(my[d] for d in dims)
+        and _in_order(*blocks[m.slot][(my, dims)], params[m.slot].shape[-2:])
+    )
     return _Exchange(mesh=mesh, dims=dims, dtype=dtype, matrices=matrices,
-                     split_dims=split_dims, blocks=blocks)
+                     split_dims=split_dims, blocks=blocks,
+                     groups={d: _group_order(mesh, d) for d in dims}, in_order=in_order)
 
 
 def _coords_along(my: tuple[int, ...], dims: tuple[int, ...], mesh: DeviceMesh):
@@ -328,7 +336,7 @@ def _all_to_all(
     ``ex.dtype``) goes to coordinate ``c``; returns the flat buffer received from each
     coordinate. What a rank sends itself stays out of the collective."""
     mesh = ex.mesh
-    group, coords = _group_order(mesh, dim)
+    group, coords = ex.groups[dim]
     me = mesh.get_coordinate()[dim]
     size = ex.dtype.itemsize
     flat = {c: _flat(send[c], ex.dtype, mesh.device_type) for c in coords}
@@ -417,8 +425,6 @@ def _in_order(rows: Tensor, cols: Tensor, shape: Sequence[int]) -> bool:
 
 def _place(block: Tensor, rows: Tensor, cols: Tensor, shape: tuple[int, int]) -> Tensor:
     """The full matrix from a block whose rows and columns are ``rows`` and ``cols`` of it."""
-    if _in_order(rows, cols, shape):
-        return block
     full = block.new_empty(shape)
     full[rows.unsqueeze(1).to(block.device), cols.to(block.device)] = block
     return full
@@ -426,8 +432,6 @@ def _place(block: Tensor, rows: Tensor, cols: Tensor, shape: tuple[int, int]) ->
 
 def _take(full: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     """The block of ``full`` at ``rows`` and ``cols`` (the inverse of :func:`_place`)."""
-    if _in_order(rows, cols, full.shape):
-        return full
     return full[rows.unsqueeze(1).to(full.device), cols.to(full.device)]
 
 
@@ -441,7 +445,8 @@ def _orthogonalize_owned(
     for i in owned:
         entry = entries[ex.matrices[i].slot]
         rows, cols = ex.blocks[ex.matrices[i].slot][(my, ex.dims)]
-        fulls[i] = _place(held[i], rows, cols, tuple(entry.param.shape[-2:]))
+        shape = tuple(entry.param.shape[-2:])
+        fulls[i] = held[i] if i in ex.in_order else _place(held[i], rows, cols, shape)
         if ex.matrices[i].expert is None:
             fulls[i] = newton_schulz(fulls[i], *entry.ns)
         else:
@@ -451,7 +456,7 @@ def _orthogonalize_owned(
         fulls.update(zip(members, ortho.unbind(0), strict=True))
     for i in owned:
         rows, cols = ex.blocks[ex.matrices[i].slot][(my, ex.dims)]
-        held[i] = _take(fulls[i], rows, cols)
+        held[i] = fulls[i] if i in ex.in_order else _take(fulls[i], rows, cols)
 
 
 def _run_exchange(ex: _Exchange, entries: list[_Entry], updates: dict[int, Tensor]) -> None:

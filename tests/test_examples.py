@@ -91,6 +91,7 @@ def test_train_moe_pipeline_check_and_resume_at_another_layout(tmp_path):
     before = json.loads(first.read_text())["steps"]
     after = json.loads(resumed.read_text())["steps"]
     assert [s["step"] for s in before] == [1, 2, 3, 4] and [s["step"] for s in after] == [3, 4]
+    assert all(s["grad_norm"] > 0.5 for s in before), before  # --max-norm 0.5 clips every step
     for ours, theirs in zip(after, before[2:], strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(ours[key] - theirs[key]) <= 1e-5 * abs(theirs[key]), (key, ours, theirs)

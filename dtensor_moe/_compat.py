@@ -68,6 +68,7 @@ __all__ = [
     "fsdp_reshards_after_forward",
     "grad_scaler_unscale_grads",
     "in_backward_pass",
+    "in_pipeline_metadata_inference",
     "in_pipeline_stage_forward",
     "is_pipeline_runtime",
     "local_tensor",
@@ -321,6 +322,35 @@ def in_pipeline_stage_forward() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def in_pipeline_metadata_inference() -> bool:
+    """Whether a ``torch.distributed.pipelining`` stage is running its metadata inference.
+
+    torch 2.13's ``PipelineStage`` built without ``input_args``/``output_args`` runs, before its
+    first step, one forward and one backward of its module from
+    ``PipelineStage._forward_metadata_inference`` and ``_backward_metadata_inference`` (in
+    training mode, on the first micro-batch on the first stage and on ``torch.empty`` buffers on
+    the others) to learn the shapes it sends. It keeps no state for it, so this looks for those
+    methods' frames on this thread's Python stack (a backward that the autograd engine runs on
+    another thread, as on CUDA, is not seen). ``False`` at once when
+    ``torch.distributed.pipelining.stage`` was never imported. Eager only (a frame walk).
+    """
+    stage = sys.modules.get("torch.distributed.pipelining.stage")
+    cls = None if stage is None else getattr(stage, "PipelineStage", None)
+    if cls is None:
+        return False
+    codes = {
+        getattr(cls, name).__code__
+        for name in ("_forward_metadata_inference", "_backward_metadata_inference")
+        if hasattr(cls, name)
+    }
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
             return True
         frame = frame.f_back
     return False

@@ -53,8 +53,10 @@ goes to a collector opened outside the stage's forward. A collector opened insid
 forward (by the stage module itself) is the user's to add, and is allowed. The attach route
 works under every schedule, with :func:`~dtensor_moe.moe.router.set_router_loss_scale` for a
 scaled loss. Whether a stage is running is read from the Python stack
-(:func:`dtensor_moe._compat.in_pipeline_stage_forward`); only in eager mode, and only when a
-collector takes a loss or none is there to take it.
+(:func:`dtensor_moe._compat.in_pipeline_stage_forward`, and
+:func:`~dtensor_moe._compat.in_pipeline_metadata_inference` for the forward that torch runs
+before the first step of a stage built without static metadata); only in eager mode, and only
+when a collector takes a loss or none is there to take it.
 
 Note [Counters under pipeline parallelism]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -68,13 +70,41 @@ one rank. A sum over a group reaching into another stage would add another layer
 wait forever for a rank that has a different number of layers.
 
 ``update_expert_bias(stage_module, rate, meshes=meshes)`` sums over ``meshes.stage_group``.
-With the meshes, a ``process_group`` is checked before the collective, locally on each rank:
-its ranks must lie in the stage (``meshes.stage_ranks``). Without them nothing says where the
-stages are: the meshes of the module's DTensor params do not, since a param on a 1-D ``"ep"``
-slice lives on a few ranks of the stage while plain replicas of it live on the others (public
-``DeviceMesh`` API does not lead from a slice to its root mesh). A stage without a biased router
-(dense-only layers) does nothing when the meshes are given: every rank of its stage holds the
-same layers, so they all skip the collective alike.
+A ``process_group`` is checked before the collective, locally on each rank: its ranks must lie
+in the stage, ``meshes.stage_ranks`` with the meshes, and the stage recorded on the routers
+without them (Note [A router knows its stage]). A stage without a biased router (dense-only
+layers) skips the counters' collective when the meshes are given: every rank of its stage holds
+the same layers, so they all skip it alike. Whether *any* stage holds one is agreed once (Note
+[A model without a biased router]).
+
+Note [A router knows its stage]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The meshes of a module's DTensor params do not say where the pipeline stages are: a param on a
+1-D ``"ep"`` slice lives on a few ranks of the stage while plain replicas of it live on the
+others, and public ``DeviceMesh`` API does not lead from a slice to its root mesh. So
+:func:`~dtensor_moe.parallel.parallelize_moe`, which has the stage's meshes, records them on
+every router of the model it parallelizes (at any ``pp``): ``router.stage_ranks`` (the stage's
+global ranks, every rank when ``pp == 1``) and ``router.pp_rank``. The helpers that take a
+process group, :func:`update_expert_bias`, :func:`~dtensor_moe.moe.load_stats` (its default
+``"world"`` included) and :func:`set_aux_loss_group` (and ``parallelize_moe`` itself, for a
+group set before it), refuse a group that holds a rank outside the stage of one of the
+module's routers, with or without ``meshes=``, locally and before any collective. Under
+pipeline parallelism every stage's ranks then raise alike: a group such as the world holds
+ranks outside every stage, and a stage without routers finds no router to work on, which each
+of these helpers refuses without ``meshes=``. A router parallelized without ``parallelize_moe``
+(the styles applied by hand) has no record; only ``meshes=`` checks its group.
+
+Note [A model without a biased router]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``meshes.pp > 1`` a stage without a biased router is fine, but the whole model without
+one means ``use_expert_bias`` was forgotten, which at ``pp == 1`` raises. No stage can tell on
+its own, so the first call of :func:`update_expert_bias` with such meshes on a module runs one
+``all_reduce`` (sum) of the number of biased routers in the module over ``meshes.pp_mesh``: one
+rank of every stage, so every rank gets the count of the whole model. Zero raises
+``ValueError`` on every rank alike; otherwise the answer is kept on the module (an attribute,
+like the warning flag of ``_warn_if_parallel``) and later calls skip the collective. Under an
+interleaved or V-shaped schedule a rank passes all its stage modules in one call (an
+``nn.ModuleList`` of them): one module per call would sum a part of the model only.
 """
 
 # ruff: noqa: N806
@@ -82,6 +112,8 @@ same layers, so they all skip the collective alike.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -102,6 +134,7 @@ __all__ = [
     "AuxLossBackward",
     "AuxLosses",
     "attach_aux_loss",
+    "check_group_in_stage",
     "collect_aux_losses",
     "set_aux_loss_group",
     "update_expert_bias",
@@ -109,6 +142,9 @@ __all__ = [
 
 # Set on a module once _warn_if_parallel has checked it: the state lives on the module itself.
 _CHECKED_ATTR = "_dtensor_moe_bias_update_checked"
+# Set on a module once the stages have agreed that the model holds a biased router (Note [A
+# model without a biased router]).
+_MODEL_BIASED_ATTR = "_dtensor_moe_model_has_expert_bias"
 
 
 def _warn_if_parallel(module: nn.Module) -> None:
@@ -188,7 +224,7 @@ def collect_aux_losses() -> Iterator[AuxLosses]:
     """
     collector = AuxLosses()
     if not torch.compiler.is_compiling():
-        collector._in_stage = _compat.in_pipeline_stage_forward()
+        collector._in_stage = _in_stage()
     _COLLECTORS.append(collector)
     try:
         yield collector
@@ -202,8 +238,8 @@ class AuxLossBackward(torch.autograd.Function):
 
     The ``"attach"`` route of Note [Auxiliary loss follows the loss]: weight ``scale`` per
     backward pass through ``y``, whatever was done to the loss. ``scale``: a float, or a 0-dim
-    tensor whose value is read when the backward runs (Note [Attached router losses under loss
-    scaling] in ``router.py``).
+    tensor whose value is read when the backward runs in eager mode and at the forward under
+    ``torch.compile`` (Note [Attached router losses under loss scaling] in ``router.py``).
     """
 
     @staticmethod
@@ -211,7 +247,7 @@ class AuxLossBackward(torch.autograd.Function):
         ctx: Any, y: torch.Tensor, aux_loss: torch.Tensor, scale: float | torch.Tensor = 1.0
     ) -> torch.Tensor:
         ctx.aux_dtype, ctx.aux_device = aux_loss.dtype, aux_loss.device
-        ctx.scale = scale  # not saved for backward: a tensor's value at backward time counts
+        ctx.scale = scale  # not saved for backward: eagerly, a tensor's value at backward counts
         return y.view_as(y)
 
     @staticmethod
@@ -250,13 +286,19 @@ _STAGE_OUTER_COLLECTOR = (
 )
 
 
+def _in_stage() -> bool:
+    """A stage's forward: a schedule's, or the one of torch's metadata inference that runs
+    before a stage's first step (Note [Counting under pipeline metadata inference] in
+    ``router.py``)."""
+    return _compat.in_pipeline_stage_forward() or _compat.in_pipeline_metadata_inference()
+
+
 def _attach_in_recompute(
     y: torch.Tensor, aux_loss: torch.Tensor, scale: float | torch.Tensor
 ) -> torch.Tensor:
     """Collect mode without a collector: attach during a recompute, raise otherwise."""
     if not _compat.in_backward_pass():
-        in_stage = _compat.in_pipeline_stage_forward()
-        raise ValueError(_STAGE_NO_COLLECTOR if in_stage else _NO_COLLECTOR)
+        raise ValueError(_STAGE_NO_COLLECTOR if _in_stage() else _NO_COLLECTOR)
     return AuxLossBackward.apply(y, aux_loss, scale)
 
 
@@ -292,7 +334,7 @@ def attach_aux_loss(
         if (
             not torch.compiler.is_compiling()
             and not collector._in_stage
-            and _compat.in_pipeline_stage_forward()
+            and _in_stage()
         ):
             raise ValueError(_STAGE_OUTER_COLLECTOR)
         collector.add(aux_loss)
@@ -300,6 +342,26 @@ def attach_aux_loss(
     if mode == "collect":
         return _attach_in_recompute(y, aux_loss, scale)
     return AuxLossBackward.apply(y, aux_loss, scale)
+
+
+def check_group_in_stage(
+    routers: list[TokenChoiceTopKRouter], group: dist.ProcessGroup | None, caller: str, fix: str
+) -> None:
+    """Raise ``ValueError`` when ``group`` holds a rank outside the pipeline stage recorded on
+    one of ``routers`` (Note [A router knows its stage]). Local: no collective."""
+    stages = {(r.pp_rank, r.stage_ranks) for r in routers if r.stage_ranks is not None}
+    if group is None or not stages:
+        return
+    ranks = set(dist.get_process_group_ranks(group))
+    for pp_rank, stage_ranks in sorted(stages):
+        outside = sorted(ranks - set(stage_ranks))
+        if outside:
+            raise ValueError(
+                f"{caller}: the process group holds ranks {outside} outside the pipeline stage "
+                f"of the module's routers (stage {pp_rank}, ranks {list(stage_ranks)}, as "
+                "parallelize_moe recorded); the ranks of other stages hold other layers, so a "
+                f"sum over them would mix layers or wait forever. {fix}"
+            )
 
 
 def _biased_routers(module: nn.Module, *, stage_may_lack: bool) -> list[TokenChoiceTopKRouter]:
@@ -317,6 +379,34 @@ def _biased_routers(module: nn.Module, *, stage_may_lack: bool) -> list[TokenCho
     return routers
 
 
+def _check_rate(rate: float) -> None:
+    """``rate`` is a positive finite number. Local: no collective."""
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+        raise TypeError(f"update_expert_bias: rate must be a real number, got {rate!r}")
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(
+            f"update_expert_bias needs a positive rate, got {rate!r}; pass a finite number "
+            "such as 1e-3 (DeepSeek-V3's)"
+        )
+
+
+def _check_step(module: nn.Module, rate: float, routers: list[TokenChoiceTopKRouter]) -> None:
+    """No bias can leave its dtype's finite range in one step (a step moves an entry by at
+    most ``2 * rate``). Local: no collective."""
+    names = {id(m): name for name, m in module.named_modules()}
+    for router in routers:
+        bias = router.expert_bias
+        reach = bias.detach().abs().max().double() + 2 * float(rate)
+        if not bool(torch.isfinite(reach.to(bias.dtype))):
+            raise ValueError(
+                f"update_expert_bias: rate={rate!r} could make the expert bias of "
+                f"{names.get(id(router), 'a router')!r} non-finite (a step moves an entry by up "
+                f"to 2 * rate; {bias.dtype} holds values up to "
+                f"{torch.finfo(bias.dtype).max:g}), and an infinite bias disables experts for "
+                "good; use a small rate such as 1e-3"
+            )
+
+
 def _counter_group(
     process_group: dist.ProcessGroup | None, meshes: object | None
 ) -> dist.ProcessGroup | None:
@@ -328,7 +418,7 @@ def _counter_group(
         require_meshes(meshes, "update_expert_bias")
     if process_group is None:
         return None if meshes is None else meshes.stage_group
-    if meshes is None:  # nothing to check it against: Note [Counters under pipeline parallelism]
+    if meshes is None:  # checked against the routers' record: Note [A router knows its stage]
         return process_group
     outside = set(dist.get_process_group_ranks(process_group)) - set(meshes.stage_ranks)
     if outside:
@@ -339,6 +429,26 @@ def _counter_group(
             "meshes=meshes alone (it sums over meshes.stage_group)"
         )
     return process_group
+
+
+def _agree_model_has_bias(
+    module: nn.Module, routers: list[TokenChoiceTopKRouter], meshes: MoEMeshes
+) -> None:
+    """Note [A model without a biased router]: one ``all_reduce`` over ``meshes.pp_mesh`` on the
+    first call for ``module``, none afterwards; ``ValueError`` on every rank when no stage
+    holds a biased router."""
+    if getattr(module, _MODEL_BIASED_ATTR, False):
+        return
+    count = torch.tensor([len(routers)], dtype=torch.int64)
+    dist.all_reduce(count, group=meshes.pp_mesh.get_group())
+    if count.item() == 0:
+        raise ValueError(
+            f"update_expert_bias found no router with an expert bias in any of the "
+            f"{meshes.pp} pipeline stages (this rank's module: {type(module).__name__}); build "
+            "the MoE layers with MoEConfig(use_expert_bias=True). A rank that runs several "
+            "stages passes them in one call, as an nn.ModuleList"
+        )
+    object.__setattr__(module, _MODEL_BIASED_ATTR, True)
 
 
 @torch.no_grad()
@@ -362,31 +472,54 @@ def update_expert_bias(
 
     Keyword Args:
         process_group: if given, the counters of all routers are summed over this group
-            first, in one ``all_reduce`` (the only collective), so that data-parallel ranks
-            apply the same update. Without it (and without ``meshes``), a ``module`` with
-            DTensor params in a multi-rank run gets a one-time ``UserWarning``: ranks that
-            route different tokens would update their biases apart.
+            first, in one ``all_reduce``, so that data-parallel ranks apply the same update.
+            It must lie inside the pipeline stage of the module's routers (Note [A router
+            knows its stage]). Without it (and without ``meshes``), a ``module`` with DTensor
+            params in a multi-rank run gets a one-time ``UserWarning``: ranks that route
+            different tokens would update their biases apart.
         meshes: the :class:`~dtensor_moe.parallel.MoEMeshes` of this rank (of its pipeline
-            stage under pipeline parallelism, with ``module`` the stage's module). Without
-            ``process_group``, the counters are summed over ``meshes.stage_group``: the ranks
-            that hold ``module``'s layers (every rank when ``pp == 1``). A stage without a
-            biased router then does nothing (no collective). See Note [Counters under
-            pipeline parallelism].
+            stage under pipeline parallelism, with ``module`` the stage's module, or an
+            ``nn.ModuleList`` of a rank's stage modules). Without ``process_group``, the
+            counters are summed over ``meshes.stage_group``: the ranks that hold ``module``'s
+            layers (every rank when ``pp == 1``). A stage without a biased router then runs no
+            counter collective. See Note [Counters under pipeline parallelism].
+
+    Collectives: one ``all_reduce`` of the counters over the group (none on a pipeline stage
+    without a biased router); with ``meshes.pp > 1``, the first call for ``module`` also runs
+    one ``all_reduce`` of one int over ``meshes.pp_mesh`` (Note [A model without a biased
+    router]).
 
     Raises:
-        ValueError: ``rate`` not positive; no biased router in ``module`` (unless ``meshes``
-            has ``pp > 1``); ``process_group`` holding a rank outside ``meshes.stage_ranks``
-            (a group spanning pipeline stages; checked only when ``meshes`` is given). Each is
-            decided locally, before any collective.
+        TypeError: ``rate`` is not a real number.
+        ValueError: ``rate`` not positive and finite, or so large that a bias could become
+            non-finite; ``process_group`` holding a rank outside the stage (of
+            ``meshes.stage_ranks``, or recorded on the routers by ``parallelize_moe``); no
+            biased router in ``module`` (without ``meshes``, or with ``pp == 1``) or in any
+            stage (with ``meshes.pp > 1``, after the agreement, on every rank alike). The
+            others are decided locally, before any collective.
     """
-    if not rate > 0:
-        raise ValueError(f"update_expert_bias needs a positive rate, got {rate}")
+    _check_rate(rate)
     group = _counter_group(process_group, meshes)
-    routers = _biased_routers(module, stage_may_lack=meshes is not None and meshes.pp > 1)
+    pipelined = meshes is not None and meshes.pp > 1
+    routers = _biased_routers(module, stage_may_lack=pipelined)
+    _check_step(module, rate, routers)
+    all_routers = [m for m in module.modules() if isinstance(m, TokenChoiceTopKRouter)]
+    fix = "Pass meshes=meshes (it sums over meshes.stage_group) instead of process_group"
+    check_group_in_stage(all_routers, group, "update_expert_bias", fix)
+    if pipelined:
+        _agree_model_has_bias(module, routers, meshes)
     if not routers:
         return  # a pipeline stage of dense layers: its ranks all skip the collective
     if group is None:
         _warn_if_parallel(module)
+    _step_biases(routers, rate, group)
+
+
+def _step_biases(
+    routers: list[TokenChoiceTopKRouter], rate: float, group: dist.ProcessGroup | None
+) -> None:
+    """Sum the counters over ``group`` (one ``all_reduce``; none without a group) and move each
+    router's bias by ``rate``."""
     # every router's counter in one flat tensor (routers may differ in E): one collective
     counts_N = torch.cat([r.tokens_per_expert.reshape(-1) for r in routers]).to(torch.float64)
     if group is not None:
@@ -402,7 +535,7 @@ def update_expert_bias(
                 f"steps of rate={rate} near the bias's values may round away and balancing "
                 "stall; keep it in float32 (router.expert_bias = router.expert_bias.float(), or "
                 "any module cast such as model.float(), which restores it)",
-                stacklevel=2,
+                stacklevel=3,
             )
         router.expert_bias.add_(delta_E.to(router.expert_bias.dtype))
         router.reset_counters()
@@ -423,7 +556,10 @@ def set_aux_loss_group(module: nn.Module, group: dist.ProcessGroup | None) -> No
     training, on every rank.
 
     Raises:
-        ValueError: when ``module`` holds no router with ``aux_loss_type="global_batch"``.
+        ValueError: when ``module`` holds no router with ``aux_loss_type="global_batch"``, or
+            ``group`` holds a rank outside the pipeline stage that ``parallelize_moe`` recorded
+            on one of them (Note [A router knows its stage]); both locally, with no
+            collective.
     """
     routers = [
         m
@@ -436,5 +572,7 @@ def set_aux_loss_group(module: nn.Module, group: dist.ProcessGroup | None) -> No
             f"{type(module).__name__}; build the MoE layers with "
             "MoEConfig(aux_loss_type='global_batch', aux_loss_coeff=...)"
         )
+    fix = "Pass group=meshes.stage_group (the group parallelize_moe sets)"
+    check_group_in_stage(routers, group, "set_aux_loss_group", fix)
     for router in routers:
         router.aux_loss_group = group

@@ -166,14 +166,15 @@ def count_unless_recompute(
     dropped_E: torch.Tensor | None = None,
 ) -> None:
     """``router.tokens_per_expert += counts_E`` (and ``router.dropped_per_expert +=
-    dropped_E`` when given) unless this runs inside a backward pass (recompute).
+    dropped_E`` when given) unless this runs inside a backward pass (recompute) or torch's
+    pipeline metadata inference (Note [Counting under pipeline metadata inference]).
 
     A router with an expert bias also counts the forwards since the last
     :func:`~dtensor_moe.moe.update_expert_bias`, and warns once when they reach
     :data:`BIAS_UPDATE_WARN_FORWARDS` (Note [Expert bias needs its update]). Run eagerly under
     ``torch.compile`` (one graph break); see ``_COUNT_REASON``.
     """
-    if _in_backward_pass():
+    if _in_backward_pass() or _compat.in_pipeline_metadata_inference():
         return
     with torch.no_grad():
         router.tokens_per_expert.add_(counts_E)
@@ -205,6 +206,23 @@ def count_unless_recompute(
 # with ``n`` micro-batches per step the warning comes after ``BIAS_UPDATE_WARN_FORWARDS / n``
 # steps. The count runs where the token counter is updated, eagerly (a graph break under
 # ``torch.compile`` in training anyway).
+
+
+# Note [Counting under pipeline metadata inference]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A ``torch.distributed.pipelining.PipelineStage`` built without ``input_args`` and
+# ``output_args`` (torch's default) runs every stage's forward and backward once more before
+# its first step, in training mode, to learn the shapes it sends: stage 0 on the first
+# micro-batch, the others on uninitialised buffers. Those tokens are no training data, so the
+# router does not count them (``tokens_per_expert``, ``dropped_per_expert`` and the forwards of
+# Note [Expert bias needs its update]): :func:`dtensor_moe._compat.in_pipeline_metadata_inference`
+# finds torch's inference methods on the Python stack, in the eager counter update (under
+# ``torch.compile`` too). The layers still route those tokens: the outputs of the inference
+# forward must be the real forward's (shapes, placements, what requires grad), and a
+# recompute of that forward under activation checkpointing must save the same tensors, from
+# a backward that may run on another thread than the one the frames are on. So the expert-
+# parallel exchanges run in that pass too, on every rank of the stage alike. Shown by
+# ``tests/test_pp_router_traps.py`` (counters and bias against one process).
 
 
 count_unless_recompute = torch.compiler.disable(count_unless_recompute, reason=_COUNT_REASON)
@@ -353,8 +371,15 @@ class TokenChoiceTopKRouter(nn.Module):
             parallelism). Configuration, set by
             :func:`~dtensor_moe.moe.balance.set_aux_loss_group`.
         aux_loss_scale: the weight that an attached router loss receives in backward (a float,
-            or a 0-dim tensor read at each backward; 1.0 as built). Configuration, set by
-            :func:`set_router_loss_scale` (Note [Attached router losses under loss scaling]).
+            or a 0-dim tensor; 1.0 as built; when a tensor's value is read: Note [Attached
+            router losses under loss scaling]). Configuration, set by
+            :func:`set_router_loss_scale`.
+        stage_ranks: the global ranks of the pipeline stage that holds this router (every rank
+            without pipeline parallelism), or ``None``. Recorded by
+            :func:`~dtensor_moe.parallel.parallelize_moe` from its meshes, and read by the
+            helpers that take a process group (Note [A router knows its stage] in
+            ``balance.py``).
+        pp_rank: the index of that stage (``None`` with ``stage_ranks``).
 
     No collective runs in forward or backward, except the one forward ``all_reduce`` of a
     ``"global_batch"`` balance loss with an ``aux_loss_group``.
@@ -383,6 +408,8 @@ class TokenChoiceTopKRouter(nn.Module):
         self.last_z_loss: torch.Tensor | None = None
         self.aux_loss_group: object | None = None
         self.aux_loss_scale: float | torch.Tensor = 1.0
+        self.stage_ranks: tuple[int, ...] | None = None  # set by parallelize_moe
+        self.pp_rank: int | None = None
         # training forwards counted since the last update_expert_bias (Note [Expert bias
         # needs its update]); a host int, like the counters' window, not state to save
         self.forwards_since_bias_update = 0
@@ -619,9 +646,18 @@ class TokenChoiceTopKRouter(nn.Module):
 #
 # Under pipeline parallelism only the last stage computes the loss; the other stages receive
 # ``dL/dy`` from the next stage, already scaled. Every stage's routers take the same scale, so
-# each stage's router losses get the single-process weight. A tensor scale is read when the
-# backward runs (its value then, not at the forward); under ``torch.compile`` a float scale is
-# a constant of the graph (a new value recompiles), a tensor is an input. No collective.
+# each stage's router losses get the single-process weight.
+#
+# When the scale is read: a float is taken when the layer's forward runs. A 0-dim tensor is
+# read when the backward runs in eager mode (its value then, so an in-place update between a
+# forward and its backward applies), but under ``torch.compile`` (torch 2.13, ``aot_eager`` and
+# ``inductor`` alike) the compiled graph reads it at the forward: AOT autograd moves the read
+# into the forward graph and saves the value. So set the scale (or update the tensor in place)
+# before the forwards of the step it applies to; eager and compiled then agree. That is where
+# it changes anyway: a ``GradScaler``'s scale changes only in ``scaler.update()``, after the
+# step. Under ``torch.compile`` a float scale is a constant of the graph (a new value
+# recompiles), a tensor is an input. ``tests/test_config_validation.py`` shows both readings
+# (``test_tensor_scale_read_at_backward_eagerly_at_forward_compiled``). No collective.
 
 
 def set_router_loss_scale(
@@ -641,8 +677,11 @@ def set_router_loss_scale(
     Args:
         modules: a module, or several (the stage modules of a rank); a module without MoE
             routers (a dense pipeline stage) is left as it is.
-        scale: a finite float ``>= 0``, or a 0-dim floating tensor whose value is read at each
-            backward (set it once and update it in place, or pass a new one each step).
+        scale: a finite float ``>= 0``, or a 0-dim floating tensor (set it once and update it
+            in place, or pass a new one each step). Set or update it before the forwards of
+            the step it applies to: a tensor's value is read when the backward runs in eager
+            mode, but at the forward under ``torch.compile`` (Note [Attached router losses
+            under loss scaling]).
 
     Raises:
         TypeError: ``scale`` is neither a real number nor a 0-dim floating tensor.

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtensor_moe.moe.balance import check_group_in_stage
 from dtensor_moe.moe.router import TokenChoiceTopKRouter
 
 if TYPE_CHECKING:
@@ -180,8 +181,10 @@ def load_stats(
 
     Raises:
         ValueError: when no router is found (in ``model``, or in any stage with ``meshes``),
-            ``process_group`` is another string or is given with ``meshes``, or two stages
-            name a layer alike.
+            ``process_group`` is another string or is given with ``meshes``, the group
+            (``"world"`` included) holds a rank outside the pipeline stage that
+            ``parallelize_moe`` recorded on a router (Note [A router knows its stage] in
+            ``balance.py``; locally, before any collective), or two stages name a layer alike.
     """
     group = _group(process_group)
     if meshes is not None:
@@ -194,6 +197,11 @@ def load_stats(
             f"load_stats found no TokenChoiceTopKRouter in {_describe(model)}; pass the "
             "model that holds the MoE layers"
         )
+    fix = (
+        "Pass meshes=meshes (each layer's counters are then summed over its stage), or "
+        "process_group='local'"
+    )
+    check_group_in_stage([r for _, r in named], group, "load_stats", fix)
     # every layer's counters (routed, then dropped) in one flat int64 tensor (layers may
     # differ in E): one collective
     counts_N = torch.cat([_counters(r) for _, r in named]).clone()

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
+from dtensor_moe.moe.balance import check_group_in_stage
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.parallel.mesh import MoEMeshes
 from dtensor_moe.parallel.style import (
@@ -68,8 +69,13 @@ def parallelize_moe(
     Raises:
         TypeError: ``meshes`` is not an :class:`MoEMeshes`.
         ValueError: ``model`` holds no MoE layer, a module of it is already sharded with
-            ``fully_shard`` (call ``parallelize_moe`` first, then ``fully_shard_moe``), or a
-            style rejects a layer (see the styles).
+            ``fully_shard`` (call ``parallelize_moe`` first, then ``fully_shard_moe``), a
+            router's ``aux_loss_group`` reaches past the meshes' pipeline stage, or a style
+            rejects a layer (see the styles).
+
+    Every router of ``model`` records the meshes' pipeline stage (``router.stage_ranks``,
+    ``router.pp_rank``), against which the helpers that take a process group check it (Note
+    [A router knows its stage] in ``moe/balance.py``).
     """
     if not isinstance(meshes, MoEMeshes):
         raise TypeError(
@@ -85,6 +91,7 @@ def parallelize_moe(
             f"{sharded[:3]}{' ...' if len(sharded) > 3 else ''}). Call "
             "parallelize_moe (and parallelize_dense) first, then fully_shard_moe"
         )
+    _record_stage(layers, meshes)  # before any collective
     global_batch_routers = _unset_global_batch_routers(layers, meshes)  # before any collective
     expert_tp = meshes.expert_tp and meshes.tp > 1
     gather = expert_tp and expert_tp_dispatch == "gather"
@@ -103,6 +110,21 @@ def parallelize_moe(
     for router in global_batch_routers:
         router.aux_loss_group = _stage_group(meshes)
     return model
+
+
+def _record_stage(layers: list[MoE], meshes: MoEMeshes) -> None:
+    """Record the meshes' pipeline stage on every router (Note [A router knows its stage] in
+    ``moe/balance.py``), and refuse an ``aux_loss_group`` set before that reaches past it.
+    Local: no collective."""
+    stage_ranks = meshes.stage_ranks or tuple(range(dist.get_world_size()))
+    for moe in layers:
+        moe.router.stage_ranks, moe.router.pp_rank = tuple(stage_ranks), meshes.pp_rank
+    for moe in layers:
+        check_group_in_stage(
+            [moe.router], moe.router.aux_loss_group, "parallelize_moe (aux_loss_group)",
+            "Set it with set_aux_loss_group(model, meshes.stage_group), or let "
+            "parallelize_moe set it",
+        )
 
 
 def _stage_group(meshes: MoEMeshes) -> dist.ProcessGroup:

@@ -204,12 +204,11 @@ def check_batch(
         dtype=torch.int64,
     )
     world = dist.get_world_size()
-    table = torch.empty(world * 4, dtype=torch.int64)
     if "gloo" not in str(dist.get_backend()):  # a backend of device tensors only (nccl)
-        device = torch.accelerator.current_accelerator()
-        mine, table = mine.to(device), table.to(device)
-    dist.all_gather_into_tensor(table, mine)
-    problem = _first_problem(table.cpu().view(world, 4).tolist())
+        mine = mine.to(torch.accelerator.current_accelerator())
+    table = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(table, mine)
+    problem = _first_problem(torch.stack(table).cpu().tolist())
     if problem:
         raise ValueError(f"check_batch: {problem}")
 

@@ -488,30 +488,3 @@ def grad_scaler_unscale_grads(
     ``optimizer``, one ``_amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group;
     returns ``found_inf`` per device."""
     return torch.amp.GradScaler._unscale_grads_(scaler, optimizer, inv_scale, found_inf, allow_fp16)
-
-
-def fsdp_reshards_after_forward(module: torch.nn.Module, *, root: bool) -> bool:
-    """Whether the ``fully_shard`` module ``module`` frees its gathered params after forward.
-
-    torch 2.13 keeps it per param group of ``module._get_fsdp_state()``: ``post_forward_mesh_info``
-    is ``None`` when the group stays gathered. A root sharded with the default
-    ``reshard_after_forward=None`` (``_auto_reshard_after_forward``) stops resharding at its
-    lazy init, so it counts as not resharding even before its first forward.
-    """
-    state = module._get_fsdp_state()
-    if root and state._auto_reshard_after_forward:
-        return False
-    return any(group.post_forward_mesh_info is not None for group in state._fsdp_param_groups)
-
-
-def grad_scaler_unscale_grads(
-    scaler: torch.amp.GradScaler,
-    optimizer: torch.optim.Optimizer,
-    inv_scale: torch.Tensor,
-    found_inf: torch.Tensor,
-    allow_fp16: bool,
-) -> dict[torch.device, torch.Tensor]:
-    """torch 2.13's ``GradScaler._unscale_grads_``: the inf check (and unscale) of every grad of
-    ``optimizer``, one ``_amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group;
-    returns ``found_inf`` per device."""
-    return torch.amp.GradScaler._unscale_grads_(scaler, optimizer, inv_scale, found_inf, allow_fp16)

@@ -338,16 +338,14 @@ def in_pipeline_metadata_inference() -> bool:
     methods' frames on this thread's Python stack (a backward that the autograd engine runs on
     another thread, as on CUDA, is not seen). ``False`` at once when
     ``torch.distributed.pipelining.stage`` was never imported. Eager only (a frame walk).
+    ``_shape_inference`` is the forward pass's name before torch 2.13.
     """
     stage = sys.modules.get("torch.distributed.pipelining.stage")
     cls = None if stage is None else getattr(stage, "PipelineStage", None)
     if cls is None:
         return False
-    codes = {
-        getattr(cls, name).__code__
-        for name in ("_forward_metadata_inference", "_backward_metadata_inference")
-        if hasattr(cls, name)
-    }
+    names = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
+    codes = {getattr(cls, name).__code__ for name in names if hasattr(cls, name)}
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code in codes:

@@ -15,10 +15,10 @@ Per step, every rank times (wall clock, after a barrier) its whole training step
 step; the script takes the max over ranks of each, then the median over steps. It also counts
 the bytes each rank sends in the Muon step's all-to-alls (counted around
 ``torch.distributed.all_to_all_single`` for one step): the largest per rank, and the sum over
-ranks divided by the bytes of all Muon params in ``--ns-dtype``. The baseline is one process (rank 0,
-the others waiting) stepping Muon over the full params with the same grads, gathered: what the
-step would cost without sharding, with no communication. Every figure is printed per layout
-with its median over ``--repeats`` runs of the whole measurement.
+ranks divided by the bytes of all Muon params in ``--ns-dtype``. The baseline is one process
+(rank 0, the others waiting) stepping Muon over the full params with the same grads, gathered:
+what the step would cost without sharding, with no communication. Every figure is printed per
+layout with its median over ``--repeats`` runs of the whole measurement.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import os
 import socket
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -157,6 +158,7 @@ def _worker(rank: int, port: int, args) -> None:
     torch.set_num_threads(1)
     # gathering the full params for the baseline: torch logs a suboptimal-redistribute warning
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the demo model's output
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:

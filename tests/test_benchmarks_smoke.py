@@ -36,6 +36,14 @@ def test_optimizer_step_benchmark_prints_every_case_and_mode():
     assert all("| ratio " in line and "first step DTensor" in line for line in lines), out
 
 
+def test_muon_step_benchmark_prints_both_layouts():
+    out = _run("benchmarks/muon_step.py", "--dim", "32", "--layers", "1", "--steps", "1",
+               "--warmup", "1", "--repeats", "1")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:] if line.strip()}
+    assert rows.keys() == {"fsdp-ep", "tp"}, out
+    assert all(len(cells) == 6 and float(cells[4]) > 0 for cells in rows.values()), out
+
+
 @pytest.mark.parametrize("layout", ["single", "ep2tp2"])
 def test_moe_layer_benchmark_runs(layout):
     # The parallel run also takes the --free-exchanges diagnostic (one launch instead of two;

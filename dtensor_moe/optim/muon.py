@@ -192,9 +192,9 @@ class _Exchange:
     """The params of one mesh that share the same gather dims (Note [Owner assembly]).
 
     ``dims``: the gather dims, in the order the matrices come together (inner first).
-    ``blocks[slot][coords]``: per param, the global (row, column) indices of the block held
-    after gathering over ``dims[:j]`` by the rank whose gather-dim coordinates are ``coords``
-    (the keys cover every coordinate of the gather dims, for ``j`` = 0 .. ``len(dims)``).
+    ``blocks[slot][(coord, dims[:j])]``: per param, the global (row, column) indices of the
+    block that the rank at mesh coordinate ``coord`` holds after gathering over ``dims[:j]``
+    (every coordinate of this rank's gather group, ``j`` = 0 .. ``len(dims)``).
     """
 
     mesh: DeviceMesh

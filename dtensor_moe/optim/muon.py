@@ -655,6 +655,8 @@ class Muon(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Also for a ``state_dict`` of ``torch.optim.Muon``, whose groups have no ``ns_dtype``."""
         super().__setstate__(state)
+        if not hasattr(self, "_exchanges"):  # unpickled: the plans are rebuilt at the next step
+            self._exchanges = {}
         for group in self.param_groups:
             group.setdefault("ns_dtype", torch.bfloat16)
 

@@ -12,7 +12,8 @@ routed experts, fused AdamW for the rest) under two layouts:
   parallelism, EP borrowing the tp ranks, FSDP2 on dp.
 
 Per step, every rank times (wall clock, after a barrier) its whole training step and its Muon
-step; the script takes the max over ranks of each, then the median over steps. It also counts
+step; the script takes the max over ranks of each, then the median over steps, and prints each
+rank's own median Muon step too. It also counts
 the bytes each rank sends in the Muon step's all-to-alls (counted around
 ``torch.distributed.all_to_all_single`` for one step): the largest per rank, and the sum over
 ranks divided by the bytes of all Muon params in ``--ns-dtype``. The baseline is one process
@@ -101,7 +102,7 @@ def _one_layout(name: str, args) -> dict:
     muon = Muon(groups.muon, lr=LR, adjust_lr_fn="match_rms_adamw", ns_dtype=args.ns_dtype)
     adamw = torch.optim.AdamW(groups.adamw, lr=LR, fused=True)
     dp_rank = dist.get_rank() // degrees["tp"]
-    steps, muons = [], []
+    steps, muons, mine = [], [], []
     for s in range(args.warmup + args.steps):
         dist.barrier()
         start = time.perf_counter()
@@ -114,6 +115,7 @@ def _one_layout(name: str, args) -> dict:
         if s >= args.warmup:
             steps.append(_max_over_ranks(end - start))
             muons.append(_max_over_ranks(after - before))
+            mine.append(after - before)
         if s < args.warmup + args.steps - 1:
             muon.zero_grad()
             adamw.zero_grad()
@@ -128,11 +130,13 @@ def _one_layout(name: str, args) -> dict:
     single = (
         _single_process(full_params, full_grads, args) if dist.get_rank() == 0 else 0.0
     )
-    dist.barrier()
+    per_rank = [None] * WORLD
+    dist.all_gather_object(per_rank, statistics.median(mine))
     ns_bytes = sum(p.numel() * args.ns_dtype.itemsize for p in full_params)
     return {
         "step": statistics.median(steps),
         "muon": statistics.median(muons),
+        "per_rank": per_rank,
         "single": single,
         "sent_max": _max_over_ranks(counted.sent),
         "sent_total": float(sent),
@@ -179,12 +183,15 @@ def _report(runs: dict, args) -> None:
           f"Newton-Schulz in {args.ns_dtype}; {WORLD} gloo ranks, medians of {args.repeats} "
           f"runs of {args.steps} steps")
     print(f"{'layout':<9} {'muon ms (max rank)':>19} {'one process ms':>15} {'ratio':>6} "
-          f"{'share of step':>14} {'sent/rank KiB (max)':>20} {'sent all / params':>18}")
+          f"{'share of step':>14} {'sent/rank KiB (max)':>20} {'sent all / params':>18}  "
+          "muon ms per rank")
     for name, rs in runs.items():
         muon, single, step = (_median(rs, k) for k in ("muon", "single", "step"))
         sent_max, total, ns = (_median(rs, k) for k in ("sent_max", "sent_total", "ns_bytes"))
+        ranks = [statistics.median(r["per_rank"][i] for r in rs) * 1e3 for i in range(WORLD)]
         print(f"{name:<9} {muon * 1e3:>19.2f} {single * 1e3:>15.2f} {muon / single:>6.2f} "
-              f"{muon / step:>14.3f} {sent_max / 1024:>20.1f} {total / ns:>18.2f}")
+              f"{muon / step:>14.3f} {sent_max / 1024:>20.1f} {total / ns:>18.2f}  "
+              + " ".join(f"{t:.1f}" for t in ranks))
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ says how to fix it. Different data, evaluation, and the token-parallel layouts p
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -15,7 +17,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
-from dtensor_moe import ExpertParallel, MoE, MoEConfig, PrepareMoEInput
+from dtensor_moe import ExpertParallel, MoE, MoEConfig, PrepareMoEInput, _compat
 from tests._dist import DistTestBase
 
 D = 8
@@ -104,6 +106,18 @@ class IdenticalTokensTest(DistTestBase):
         self.assertEqual(_all_gathers(mode), 0)
         self.assertFalse(moe.experts.dispatcher.tokens_checked)
         self.assertEqual(y.shape, (2, 5, D))
+
+    @with_comms
+    def test_pipeline_metadata_inference_is_not_checked(self):
+        # torch's shape pass of a PipelineStage without static metadata runs the stages after
+        # the first on uninitialised buffers, which may be equal on every rank: the check waits
+        # for the first real forward (the pass's detection: tests/test_pp_router_traps.py)
+        moe, _ = self._ep()
+        with mock.patch.object(_compat, "in_pipeline_metadata_inference", return_value=True):
+            moe(self._x(0).requires_grad_())
+        self.assertFalse(moe.experts.dispatcher.tokens_checked)
+        with self.assertRaisesRegex(ValueError, r"ranks 0 and 1 " + IDENTICAL):
+            moe(self._x(0).requires_grad_())
 
     @with_comms
     def test_ranks_without_tokens_prove_nothing(self):

@@ -91,6 +91,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
+from dtensor_moe import _compat
 from dtensor_moe.moe.capacity import Capacity
 from dtensor_moe.moe.dispatch import (
     ExpertLayout,
@@ -207,7 +208,11 @@ class _InFlight:
 # with gradients enabled, and on every forward under TORCH_DISTRIBUTED_DEBUG=DETAIL; every
 # rank sees the same gathered values and so raises the same ValueError, before any exchange.
 # Forwards without gradients (evaluation, which may well give every rank the same batch) are
-# not checked. The verdict lives on the dispatcher (``tokens_checked``).
+# not checked, nor the forward of torch's pipeline metadata inference (a ``PipelineStage``
+# built without static metadata; the stages after the first run it on uninitialised buffers,
+# which may be equal on every rank): every rank of the mesh is in that pass alike, and the
+# check waits for the first real training forward. The verdict lives on the dispatcher
+# (``tokens_checked``).
 
 
 # Note [Expert parallelism under torch.compile]
@@ -349,6 +354,8 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         detail = not compiling and dist.get_debug_level() == dist.DebugLevel.DETAIL
         if (self.tokens_checked and not detail) or not torch.is_grad_enabled():
             return
+        if not compiling and _compat.in_pipeline_metadata_inference():
+            return  # torch's shape pass: no training data (uninitialised buffers after stage 0)
         self._token_check(x_TD, capacity)
 
     def _token_check(self, x_TD: torch.Tensor, capacity: Capacity | None) -> None:

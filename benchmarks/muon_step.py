@@ -13,7 +13,8 @@ routed experts, fused AdamW for the rest) under two layouts:
 
 Per step, every rank times (wall clock, after a barrier) its whole training step and its Muon
 step; the script takes the max over ranks of each, then the median over steps, and prints each
-rank's own median Muon step too. It also counts
+rank's own median Muon step too, on the wall clock and in the thread's CPU time (four processes
+share the cores, so the CPU time shows how the work splits between ranks). It also counts
 the bytes each rank sends in the Muon step's all-to-alls (counted around
 ``torch.distributed.all_to_all_single`` for one step): the largest per rank, and the sum over
 ranks divided by the bytes of all Muon params in ``--ns-dtype``. The baseline is one process
@@ -102,20 +103,21 @@ def _one_layout(name: str, args) -> dict:
     muon = Muon(groups.muon, lr=LR, adjust_lr_fn="match_rms_adamw", ns_dtype=args.ns_dtype)
     adamw = torch.optim.AdamW(groups.adamw, lr=LR, fused=True)
     dp_rank = dist.get_rank() // degrees["tp"]
-    steps, muons, mine = [], [], []
+    steps, muons, mine, cpu = [], [], [], []
     for s in range(args.warmup + args.steps):
         dist.barrier()
         start = time.perf_counter()
         _train_step(model, _tokens(s, args), dp_rank, degrees["dp"])
-        before = time.perf_counter()
+        before, cpu_before = time.perf_counter(), time.thread_time()
         muon.step()
-        after = time.perf_counter()
+        after, cpu_after = time.perf_counter(), time.thread_time()
         adamw.step()
         end = time.perf_counter()
         if s >= args.warmup:
             steps.append(_max_over_ranks(end - start))
             muons.append(_max_over_ranks(after - before))
             mine.append(after - before)
+            cpu.append(cpu_after - cpu_before)
         if s < args.warmup + args.steps - 1:
             muon.zero_grad()
             adamw.zero_grad()
@@ -128,16 +130,17 @@ def _one_layout(name: str, args) -> dict:
     full_params = [p.full_tensor() if isinstance(p, DTensor) else p.detach()
                    for p in groups.muon]
     single = (
-        _single_process(full_params, full_grads, args) if dist.get_rank() == 0 else 0.0
+        _single_process(full_params, full_grads, args) if dist.get_rank() == 0 else (0.0, 0.0)
     )
     per_rank = [None] * WORLD
-    dist.all_gather_object(per_rank, statistics.median(mine))
+    dist.all_gather_object(per_rank, (statistics.median(mine), statistics.median(cpu)))
     ns_bytes = sum(p.numel() * args.ns_dtype.itemsize for p in full_params)
     return {
         "step": statistics.median(steps),
         "muon": statistics.median(muons),
         "per_rank": per_rank,
-        "single": single,
+        "single": single[0],
+        "single_cpu": single[1],
         "sent_max": _max_over_ranks(counted.sent),
         "sent_total": float(sent),
         "ns_bytes": ns_bytes,
@@ -150,12 +153,13 @@ def _single_process(full_params, full_grads, args) -> float:
     for p, g in zip(params, full_grads, strict=True):
         p.grad = g.clone()
     opt = Muon(params, lr=LR, adjust_lr_fn="match_rms_adamw", ns_dtype=args.ns_dtype)
-    times = []
+    times, cpu = [], []
     for _ in range(args.steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         opt.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        cpu.append(time.thread_time() - cpu_start)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def _worker(rank: int, port: int, args) -> None:
@@ -184,14 +188,18 @@ def _report(runs: dict, args) -> None:
           f"runs of {args.steps} steps")
     print(f"{'layout':<9} {'muon ms (max rank)':>19} {'one process ms':>15} {'ratio':>6} "
           f"{'share of step':>14} {'sent/rank KiB (max)':>20} {'sent all / params':>18}  "
-          "muon ms per rank")
+          "muon ms per rank (wall / CPU); one process CPU ms")
     for name, rs in runs.items():
         muon, single, step = (_median(rs, k) for k in ("muon", "single", "step"))
         sent_max, total, ns = (_median(rs, k) for k in ("sent_max", "sent_total", "ns_bytes"))
-        ranks = [statistics.median(r["per_rank"][i] for r in rs) * 1e3 for i in range(WORLD)]
+        ranks = [
+            tuple(statistics.median(r["per_rank"][i][k] for r in rs) * 1e3 for k in (0, 1))
+            for i in range(WORLD)
+        ]
         print(f"{name:<9} {muon * 1e3:>19.2f} {single * 1e3:>15.2f} {muon / single:>6.2f} "
               f"{muon / step:>14.3f} {sent_max / 1024:>20.1f} {total / ns:>18.2f}  "
-              + " ".join(f"{t:.1f}" for t in ranks))
+              + " ".join(f"{w:.1f}/{c:.1f}" for w, c in ranks)
+              + f"; {_median(rs, 'single_cpu') * 1e3:.1f}")
 
 
 def main() -> None:

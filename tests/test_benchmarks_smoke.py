@@ -41,7 +41,7 @@ def test_muon_step_benchmark_prints_both_layouts():
                "--warmup", "1", "--repeats", "1")
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:] if line.strip()}
     assert rows.keys() == {"fsdp-ep", "tp"}, out
-    assert all(len(cells) == 10 and float(cells[4]) > 0 for cells in rows.values()), out
+    assert all(len(cells) == 11 and float(cells[4]) > 0 for cells in rows.values()), out
 
 
 @pytest.mark.parametrize("layout", ["single", "ep2tp2"])

@@ -318,13 +318,7 @@ def in_pipeline_stage_forward() -> bool:
     stage = sys.modules.get("torch.distributed.pipelining.stage")
     if stage is None:
         return False
-    code = stage._PipelineStageBase.forward_one_chunk.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return _on_stack({stage._PipelineStageBase.forward_one_chunk.__code__})
 
 
 def in_pipeline_metadata_inference() -> bool:
@@ -345,7 +339,11 @@ def in_pipeline_metadata_inference() -> bool:
     if cls is None:
         return False
     names = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
-    codes = {getattr(cls, name).__code__ for name in names if hasattr(cls, name)}
+    return _on_stack({getattr(cls, name).__code__ for name in names if hasattr(cls, name)})
+
+
+def _on_stack(codes: set) -> bool:
+    """Whether a frame of one of ``codes`` is on this thread's Python stack."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code in codes:

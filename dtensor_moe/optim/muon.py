@@ -365,13 +365,18 @@ def _at(coord: tuple[int, ...], dim: int, value: int) -> tuple[int, ...]:
     return coord[:dim] + (value,) + coord[dim + 1:]
 
 
+def _phase(ex: _Exchange, j: int, my: tuple[int, ...]) -> tuple[int, int, list[int]]:
+    """Phase ``j``'s mesh dim, its size, and the matrices that move in it: those whose owner
+    agrees with this rank on the dims of the phases before."""
+    d = ex.dims[j]
+    mine = tuple(my[x] for x in ex.dims[:j])
+    return d, ex.mesh.size(d), [i for i, m in enumerate(ex.matrices) if m.owner[:j] == mine]
+
+
 def _gather_phase(ex: _Exchange, held: dict[int, Tensor], j: int, my: tuple[int, ...]) -> None:
     """Phase ``j``: every block of an active matrix moves to its owner's coordinate on
     ``dims[j]``, where the blocks are joined along the matrix dim that ``dims[j]`` splits."""
-    d = ex.dims[j]
-    size = ex.mesh.size(d)
-    mine = tuple(my[x] for x in ex.dims[:j])
-    active = [i for i, m in enumerate(ex.matrices) if m.owner[:j] == mine]
+    d, size, active = _phase(ex, j, my)
     send: list[list[Tensor]] = [[] for _ in range(size)]
     for i in active:
         send[ex.matrices[i].owner[j]].append(held.pop(i))
@@ -390,10 +395,7 @@ def _gather_phase(ex: _Exchange, held: dict[int, Tensor], j: int, my: tuple[int,
 def _scatter_phase(ex: _Exchange, held: dict[int, Tensor], j: int, my: tuple[int, ...]) -> None:
     """The mirror of :func:`_gather_phase`: each joined block splits back to where its parts
     came from."""
-    d = ex.dims[j]
-    size = ex.mesh.size(d)
-    mine = tuple(my[x] for x in ex.dims[:j])
-    active = [i for i, m in enumerate(ex.matrices) if m.owner[:j] == mine]
+    d, size, active = _phase(ex, j, my)
     send: list[list[Tensor]] = [[] for _ in range(size)]
     for i in active:
         if ex.matrices[i].owner[j] != my[d]:

@@ -90,18 +90,22 @@ def test_plain_launch_other_layout(tmp_path):
     assert "comparison" not in metrics
 
 
-def test_compiled_blocks_keep_parity(tmp_path):
-    # --compile compiles every block of the distributed model (SP2 + EP2 here, uneven L=13);
-    # the parity proof against the eager single-process rerun must still pass. aot_eager keeps
-    # the test short; `python -m dtensor_moe.demo --compile` (inductor) is in docs/benchmarks.md.
-    out = str(tmp_path / "out")
-    flags = "--compile --compile-backend aot_eager --no-compare-balance".split()
-    cmd = [sys.executable, "-m", "dtensor_moe.demo", *flags, *SMALL, "--out", out]
-    proc = _run(cmd)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "compiled blocks" in proc.stdout and "-> OK" in proc.stdout, proc.stdout
-    metrics = _check_metrics(out, steps=6)
-    assert metrics["config"]["compile"] and metrics["config"]["compile_backend"] == "aot_eager"
+# --compile of the demo (about 20 s): DTENSOR_MOE_FULL_MATRIX=1; compiled blocks against eager
+# are covered in CI by tests/test_parallel_compile.py and tests/test_moe_compile.py
+if os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1":
+
+    def test_compiled_blocks_keep_parity(tmp_path):
+        # --compile compiles every block of the distributed model (SP2 + EP2 here, uneven L=13);
+        # the parity proof against the eager single-process rerun must still pass. aot_eager keeps
+        # the test short; `python -m dtensor_moe.demo --compile` (inductor) is in docs/benchmarks.md.
+        out = str(tmp_path / "out")
+        flags = "--compile --compile-backend aot_eager --no-compare-balance".split()
+        cmd = [sys.executable, "-m", "dtensor_moe.demo", *flags, *SMALL, "--out", out]
+        proc = _run(cmd)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "compiled blocks" in proc.stdout and "-> OK" in proc.stdout, proc.stdout
+        metrics = _check_metrics(out, steps=6)
+        assert metrics["config"]["compile"] and metrics["config"]["compile_backend"] == "aot_eager"
 
 
 def test_invalid_layout_stops_before_starting(tmp_path):

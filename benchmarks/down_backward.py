@@ -4,7 +4,7 @@ The expert math of one process at a preset's shape: the up projections (``h1``, 
 node in every variant), then the down projection with the combine weights. The variants of the
 down step:
 
-- ``ours``: :func:`dtensor_moe.moe.experts.swiglu_down`, whose autograd formula keeps ``h1``,
+- ``ours``: :func:`dtensor_moe.routed.kernels.swiglu_down`, whose autograd formula keeps ``h1``,
   ``h3`` and the scores and recomputes the SwiGLU product (Note [The routed SwiGLU in two steps]);
 - ``plain``: plain autograd on the same ops (keeps ``silu(h1)``, the product, the scaled side);
 - ``sac-recompute``: the same ops under ``torch.utils.checkpoint`` with
@@ -42,7 +42,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from dtensor_moe.moe.experts import (
+from dtensor_moe.routed.kernels import (
     _group_ends,
     _grouped_mm,
     _ProjectUp,

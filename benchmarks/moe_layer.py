@@ -75,8 +75,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dtensor_moe.moe import MoE, MoEConfig, grouped_swiglu, permute_tokens
-from dtensor_moe.moe.experts import resolve_compute_path
+from dtensor_moe.moe import MoE, MoEConfig
+from dtensor_moe.routed import grouped_swiglu, permute_tokens, resolve_compute_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -141,7 +141,7 @@ def _routed_rows(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     with torch.no_grad():
         x_TD = x.reshape(-1, x.shape[-1])
         routing = moe.router(x_TD)
-        routed = moe.experts.dispatcher.dispatch(
+        routed = moe.experts.exchange.dispatch(
             x_TD, routing.topk_scores_TK, routing.topk_ids_TK, routing.counts_E, routing.capacity
         )
         routed_RD = permute_tokens(x_TD, routed.layout)
@@ -441,7 +441,7 @@ class _RecordedExchanges(_DistProxy):
 
 
 def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    from dtensor_moe.moe.experts import local_expert_weight
+    from dtensor_moe.routed import local_expert_weight
     from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
 
     layout = PARALLEL[args.layout]
@@ -465,18 +465,17 @@ def _parallel_worker(rank: int, args: argparse.Namespace, port: int, queue) -> N
     w1, w2, w3 = (local_expert_weight(w).detach().requires_grad_() for w in (ex.w1, ex.w2, ex.w3))
     path = resolve_compute_path(args.path, routed_RD, w1, counts_e.tolist())
     grad_RD = torch.randn_like(routed_RD)
-    import dtensor_moe.parallel.dispatch as dispatch_module
-    import dtensor_moe.parallel.exchange as exchange_module
+    import dtensor_moe.routed.all_to_all as exchange_module
 
     step = _step_fn(moe, x, grad_y)
     recorder = _RecordedExchanges()
-    dispatch_module.dist = exchange_module.dist = recorder
+    exchange_module.dist = recorder
     try:
         step()
     finally:
-        dispatch_module.dist = exchange_module.dist = dist
+        exchange_module.dist = dist
     if args.free_exchanges:
-        dispatch_module.dist = exchange_module.dist = _LocalExchanges()
+        exchange_module.dist = _LocalExchanges()
 
     def exchanges() -> None:
         for out, inp, out_splits, in_splits, group in recorder.calls:

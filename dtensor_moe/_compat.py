@@ -10,9 +10,12 @@ only in the module named on its line. A listed name also covers the names under 
 module covers its functions). These are ops and functions that the code calls directly, with no
 public equivalent in torch 2.13; a helper here would only rename them.
 
-    dtensor_moe/moe/experts.py: torch._grouped_mm -- the grouped expert matmul
-    dtensor_moe/parallel/dispatch.py: torch.distributed._functional_collectives -- the
+    dtensor_moe/routed/kernels.py: torch._grouped_mm -- the grouped expert matmul
+    dtensor_moe/routed/exchange.py: torch.distributed._functional_collectives -- the
         all-gather of the identical-tokens check (all_gather_single)
+    dtensor_moe/routed/all_gather.py: torch.distributed._functional_collectives -- the
+        all-gather exchange's collectives, differentiable and traceable (all_gather_single,
+        all_gather_single_autograd, reduce_scatter_single_autograd, wait_tensor)
     dtensor_moe/moe/losses.py: torch.distributed._functional_collectives -- the all-reduce of
         the global-batch router statistics (traceable under torch.compile)
     dtensor_moe/parallel/token_parallel.py: torch.distributed._functional_collectives -- the
@@ -57,7 +60,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = [
     "DTensorSpec",
-    "PositionalApply",
     "clear_sharding_prop_cache",
     "contiguous_stride",
     "custom_op_handlers",
@@ -161,7 +163,7 @@ class _LocalViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        # Under create_graph=True (Note [Double backward] in dtensor_moe/moe/dispatch.py) the
+        # Under create_graph=True (Note [Double backward] in dtensor_moe/routed/layouts.py) the
         # direct wrap would cut the graph, so it wraps differentiably, as to_local's backward.
         wrap = _wrap_with_graph if torch.is_grad_enabled() else dtensor_from_local_spec
         pairs = zip(grads, ctx.grad_specs)
@@ -272,25 +274,6 @@ def device_has_foreach_support(device: torch.device) -> bool:
     from torch.utils._foreach_utils import _device_has_foreach_support
 
     return _device_has_foreach_support(device)
-
-
-class PositionalApply:
-    """Base of the package's ``torch.autograd.Function`` classes that define ``setup_context``
-    (so that ``torch.func`` transforms can run them), applied with positional arguments only.
-
-    torch 2.13's ``Function.apply`` binds the arguments to ``forward``'s signature
-    (``inspect.signature(...).bind``, about 13 us a call on CPU) whenever ``setup_context`` is
-    defined, before calling the C ``apply``. With positional arguments and no defaults the
-    binding returns the arguments unchanged, so outside a ``torch.func`` transform and outside
-    ``torch.compile`` this calls the C ``apply`` (``torch._C._FunctionBase.apply``) directly;
-    inside either, ``Function.apply`` runs as it is. List it before ``torch.autograd.Function``.
-    """
-
-    @classmethod
-    def apply(cls, *args: Any) -> Any:
-        if functorch_active() or torch.compiler.is_compiling():
-            return super().apply(*args)  # type: ignore[misc]
-        return super(torch.autograd.Function, cls).apply(*args)  # type: ignore[misc]
 
 
 def functorch_active() -> bool:

@@ -230,7 +230,7 @@ def test_grouped_swiglu_takes_counts_from_anywhere(kind):
     """The public ``grouped_swiglu`` on device rows, with its counts as host ints, a CPU tensor
     or a device tensor (``_swiglu_grouped_mm`` moves them to the rows' device), against
     per-expert matmuls."""
-    from dtensor_moe.moe.experts import grouped_swiglu
+    from dtensor_moe.routed import grouped_swiglu
 
     gen = torch.Generator().manual_seed(3)
     E, H, R = 4, 32, 50

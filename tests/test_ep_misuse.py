@@ -76,7 +76,7 @@ class IdenticalTokensTest(DistTestBase):
                                      "": PrepareMoEInput(input_layout=Shard(1))})
         x = distribute_tensor(self._x(mesh.get_coordinate()[0]), tp, [Shard(1)])
         moe(x).to_local().sum().backward()
-        self.assertTrue(moe.experts.dispatcher.tokens_checked)
+        self.assertTrue(moe.experts.exchange.tokens_checked)
 
     @with_comms
     def test_different_data_checks_once_with_one_all_gather(self):
@@ -87,7 +87,7 @@ class IdenticalTokensTest(DistTestBase):
                 moe(self._x(10 * step + self.rank)).sum().backward()
             counts.append(_all_gathers(mode))
         self.assertEqual(counts, [1, 0])
-        self.assertTrue(moe.experts.dispatcher.tokens_checked)
+        self.assertTrue(moe.experts.exchange.tokens_checked)
         # Checked once: the same tokens later are not looked at again...
         moe(self._x(0)).sum().backward()
         # ...except under TORCH_DISTRIBUTED_DEBUG=DETAIL, which checks every forward.
@@ -104,7 +104,7 @@ class IdenticalTokensTest(DistTestBase):
         with torch.no_grad(), CommDebugMode() as mode:
             y = moe(self._x(0))  # every rank evaluates the same batch: legitimate
         self.assertEqual(_all_gathers(mode), 0)
-        self.assertFalse(moe.experts.dispatcher.tokens_checked)
+        self.assertFalse(moe.experts.exchange.tokens_checked)
         self.assertEqual(y.shape, (2, 5, D))
 
     @with_comms
@@ -115,7 +115,7 @@ class IdenticalTokensTest(DistTestBase):
         moe, _ = self._ep()
         with mock.patch.object(_compat, "in_pipeline_metadata_inference", return_value=True):
             moe(self._x(0).requires_grad_())
-        self.assertFalse(moe.experts.dispatcher.tokens_checked)
+        self.assertFalse(moe.experts.exchange.tokens_checked)
         with self.assertRaisesRegex(ValueError, r"ranks 0 and 1 " + IDENTICAL):
             moe(self._x(0).requires_grad_())
 
@@ -126,7 +126,7 @@ class IdenticalTokensTest(DistTestBase):
         x = x if self.rank != 3 else torch.zeros(2, 5, D)  # all-zero tokens are skipped too
         y = moe(x.requires_grad_())
         y.sum().backward()
-        self.assertTrue(moe.experts.dispatcher.tokens_checked)
+        self.assertTrue(moe.experts.exchange.tokens_checked)
 
 
 if __name__ == "__main__":

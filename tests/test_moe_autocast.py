@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dtensor_moe.moe import MoE, MoEConfig
-from dtensor_moe.moe.experts import grouped_swiglu
+from dtensor_moe.routed import grouped_swiglu
 
 D, H, E = 16, 32, 4
 

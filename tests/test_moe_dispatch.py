@@ -14,21 +14,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtensor_moe.moe import (
+from dtensor_moe.moe import MoE, MoEConfig
+from dtensor_moe.routed import (
     GroupedExperts,
-    MoE,
-    MoEConfig,
+    LocalExchange,
     Routed,
-    TokenDispatcher,
     grouped_swiglu,
     in_order,
     permute_tokens,
+    resolve_compute_path,
     scores_in_rows,
     sort_by_expert,
+    unpermute_and_reduce,
 )
-from dtensor_moe.moe.dispatch import unpermute_and_reduce
-from dtensor_moe.moe.experts import resolve_compute_path
-from dtensor_moe.parallel.dispatch import _InExpertOrder
+from dtensor_moe.routed.all_to_all import _InExpertOrder
+from dtensor_moe.routed.experts import compute
 
 D, H, E = 16, 32, 4
 
@@ -54,7 +54,7 @@ def test_round_trip(pad_multiple, K):
     x_TD = torch.randn(13, D)
     _, ids_TK, counts_E = routing(13, K)
     scores_TK = torch.full((13, K), 1.0 / K)
-    dispatcher = TokenDispatcher(num_experts=E, pad_multiple=pad_multiple)
+    dispatcher = LocalExchange(num_experts=E, pad_multiple=pad_multiple)
     routed = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     routed_RD, counts_e = permute_tokens(routed.source, routed.layout), routed.layout.counts_e
     scored_RD = routed_RD * scores_in_rows(routed.scores, routed.layout).unsqueeze(-1)
@@ -68,7 +68,7 @@ def test_round_trip(pad_multiple, K):
 def test_rows_grouped_by_expert_in_token_order(pad_multiple):
     x_TD = torch.arange(11, dtype=torch.float32).unsqueeze(-1).expand(11, D).contiguous()
     scores_TK, ids_TK, counts_E = routing(11, 2)
-    dispatcher = TokenDispatcher(num_experts=E, pad_multiple=pad_multiple)
+    dispatcher = LocalExchange(num_experts=E, pad_multiple=pad_multiple)
     routed = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     routed_RD, counts_e = permute_tokens(routed.source, routed.layout), routed.layout.counts_e
     start = 0
@@ -87,7 +87,7 @@ def test_padding_never_reaches_output_or_grads():
     layout = sort_by_expert(ids_TK, counts_E, pad_multiple=8)
     padding = torch.ones(layout.num_rows, dtype=torch.bool)
     padding[layout.row_TK.flatten()] = False
-    dispatcher = TokenDispatcher(num_experts=E, pad_multiple=8)
+    dispatcher = LocalExchange(num_experts=E, pad_multiple=8)
     routed = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     routed_RD = permute_tokens(routed.source, routed.layout)
     out_RD = (routed_RD * 2).detach().requires_grad_()
@@ -104,7 +104,7 @@ def test_padding_never_reaches_output_or_grads():
 def test_dispatch_backward_sums_token_copies():
     x_TD = torch.randn(6, D, requires_grad=True)
     scores_TK, ids_TK, counts_E = routing(6, 3)
-    routed = TokenDispatcher(num_experts=E, pad_multiple=5).dispatch(
+    routed = LocalExchange(num_experts=E, pad_multiple=5).dispatch(
         x_TD, scores_TK, ids_TK, counts_E
     )
     routed_RD = permute_tokens(routed.source, routed.layout)
@@ -120,15 +120,16 @@ def test_score_before_experts_scales_rows(pad_multiple):
     the experts (not their outputs after), and the combine does not apply the scores again."""
     x_TD = torch.randn(7, D)
     scores_TK, ids_TK, counts_E = routing(7, 2)
-    dispatcher = TokenDispatcher(
+    dispatcher = LocalExchange(
         num_experts=E, pad_multiple=pad_multiple, score_before_experts=True
     )
     experts = GroupedExperts(
-        dim=D, hidden_dim=H, num_experts=E, dispatcher=dispatcher, init_std=0.3
+        dim=D, hidden_dim=H, num_experts=E, exchange=dispatcher, init_std=0.3
     )
     routed = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     with torch.no_grad():
-        out_RD = experts.compute(routed.source, routed.scores, routed.layout)
+        out_RD = compute(experts.plan, routed.source, routed.scores, routed.layout,
+                         experts.local_weights())
         y_TD = dispatcher.combine(out_RD, routed)
         w1, w2, w3 = experts.local_weights()
         scaled_TKD = x_TD.unsqueeze(1) * scores_TK.unsqueeze(-1)
@@ -149,7 +150,7 @@ def test_score_before_experts_scales_rows(pad_multiple):
 
 def test_routed_is_frozen_kw_only_slots():
     scores_TK, ids_TK, counts_E = routing(3, 2)
-    routed = TokenDispatcher(num_experts=E).dispatch(
+    routed = LocalExchange(num_experts=E).dispatch(
         torch.randn(3, D), scores_TK, ids_TK, counts_E
     )
     assert isinstance(routed, Routed)
@@ -165,13 +166,13 @@ def test_forward_leaves_no_state_on_modules():
         MoEConfig(dim=D, hidden_dim=H, num_experts=E, top_k=2, pad_multiple=4, num_shared_experts=1)
     )
     before = {name: dict(vars(m)) for name, m in moe.named_modules()}
-    dispatcher_before = dict(vars(moe.experts.dispatcher))
+    dispatcher_before = dict(vars(moe.experts.exchange))
     moe(torch.randn(2, 5, D)).sum().backward()
     for name, m in moe.named_modules():
         assert vars(m).keys() == before[name].keys(), name
         for key in ("_parameters", "_buffers", "_modules"):
             assert vars(m)[key].keys() == before[name][key].keys(), name
-    assert vars(moe.experts.dispatcher) == dispatcher_before
+    assert vars(moe.experts.exchange) == dispatcher_before
 
 
 def _weights(seed: int = 0, dtype=torch.float32):
@@ -283,7 +284,7 @@ def test_combine_result_is_not_a_view(K, weighted):
 def test_combine_helpers_match_explicit_sums(T, K):
     """The one-pass combine helper (embedding_bag sums) against explicit float64 sums, with
     ``row_TK`` given as a transposed view and with rows that repeat (a void row)."""
-    from dtensor_moe.moe.dispatch import sum_rows
+    from dtensor_moe.routed.layouts import sum_rows
 
     g = torch.Generator().manual_seed(T + K)
     R = 2 * T + 1
@@ -294,7 +295,7 @@ def test_combine_helpers_match_explicit_sums(T, K):
 
 
 def test_layer_step_binds_no_autograd_function_signature():
-    """``_compat.PositionalApply``: the layer's autograd Functions that define
+    """``routed.layouts.PositionalFunction``: the layer's autograd Functions that define
     ``setup_context`` skip torch's per-call ``inspect.signature(...).bind`` in eager mode
     (none in a forward + backward), and still bind, as torch's ``Function.apply`` does, under a
     ``torch.func`` transform, whose results stay those of plain autograd. In eval mode: a

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from dtensor_moe.moe import MoE, MoEConfig, TokenDispatcher, grouped_swiglu, update_expert_bias
+from dtensor_moe.moe import MoE, MoEConfig, update_expert_bias
+from dtensor_moe.routed import LocalExchange, grouped_swiglu
 
 BASE = dict(dim=16, hidden_dim=32, num_experts=4, top_k=2)
 
@@ -79,8 +80,8 @@ def test_router_errors():
 
 def test_dispatcher_errors():
     with pytest.raises(ValueError, match=r"pad_multiple >= 1, got num_experts=4, pad_multiple=0"):
-        TokenDispatcher(num_experts=4, pad_multiple=0)
-    d = TokenDispatcher(num_experts=4)
+        LocalExchange(num_experts=4, pad_multiple=0)
+    d = LocalExchange(num_experts=4)
     x, s, ids, counts = (
         torch.randn(3, 16),
         torch.rand(3, 2),

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dtensor_moe.moe import MoE, MoEConfig, update_expert_bias
 from dtensor_moe.moe.balance import collect_aux_losses
+from dtensor_moe.routed.experts import compute
 
 D, H, E = 16, 32, 4
 TOL = 1e-5
@@ -269,7 +270,7 @@ def _second_order(moe: MoE, fn, x: torch.Tensor, squared: bool) -> torch.Tensor:
 )
 @pytest.mark.parametrize("fused", [True, False], ids=["default", "plain"])
 def test_double_backward_matches_reference(overrides, squared, fused):
-    """Note [Double backward] in dtensor_moe/moe/dispatch.py: on the default path and with
+    """Note [Double backward] in dtensor_moe/routed/layouts.py: on the default path and with
     ``fused_routed_step=False``, a gradient penalty's gradients (input and every parameter)
     equal the per-token reference's, which is plain autograd."""
     moe = make_moe(fused_routed_step=fused, **overrides)
@@ -476,7 +477,7 @@ def test_public_api_and_children():
     assert moe.experts.w2.shape == (8, 256, 512)
     assert moe.experts.w3.shape == (8, 512, 256)
     assert moe.router.gate.weight.shape == (8, 256)
-    assert moe.experts.dispatcher.num_experts == 8
+    assert moe.experts.exchange.num_experts == 8
     x = torch.randn(2, 3, 256)
     assert moe(x).shape == (2, 3, 256)
     assert "expert_bias" not in moe.state_dict()
@@ -538,13 +539,14 @@ def test_other_work_between_dispatch_and_combine():
     moe.zero_grad()
     x_TD = x_staged.view(-1, D)
     routing = moe.router(x_TD, num_sequences=2, count=False)
-    experts, dispatcher = moe.experts, moe.experts.dispatcher
-    routed = dispatcher.dispatch(x_TD, routing.topk_scores_TK, routing.topk_ids_TK,
+    experts, exchange = moe.experts, moe.experts.exchange
+    routed = exchange.dispatch(x_TD, routing.topk_scores_TK, routing.topk_ids_TK,
                                  routing.counts_E)
     shared_TD = moe.shared_experts(x_TD)  # other work, between dispatch and the experts
-    assert dispatcher.receive(routed) is None  # one process: nothing in flight
-    out_RD = experts.compute(routed.source, routed.scores, routed.layout)
-    y = (dispatcher.combine(out_RD, routed) + shared_TD).view(2, 7, D)
+    assert exchange.receive(routed) is None  # one process: nothing in flight
+    out_RD = compute(experts.plan, routed.source, routed.scores, routed.layout,
+                     experts.local_weights())
+    y = (exchange.combine(out_RD, routed) + shared_TD).view(2, 7, D)
     y.pow(2).sum().backward()
     got = [x_staged.grad] + [p.grad for p in moe.parameters()]
     for a, b in zip(got, expected, strict=True):

@@ -1,6 +1,6 @@
 """What the MoE layer saves for backward: parity of the lean path, and the saved bytes.
 
-Note [What the experts save for backward] in ``dtensor_moe/moe/experts.py``. Parity is checked
+Note [What the experts save for backward] in ``dtensor_moe/routed/kernels.py``. Parity is checked
 against an independent plain-autograd reference (every (token, expert) pair computed with its
 own gathered weights, no dispatcher) and bit for bit (output and every gradient) against the
 plain dispatch -> compute -> combine path of the same layer (``fused_routed_step=False``). Saved bytes are counted as
@@ -88,15 +88,21 @@ def close(actual, expected, tol, what):
 def _counting_staged(calls):
     """Patch that records each call of the staged down projection (Note [The routed SwiGLU in
     two steps])."""
-    import dtensor_moe.moe.experts as experts_module
+    import contextlib
 
-    real = experts_module.swiglu_down
+    import dtensor_moe.routed.experts as experts_module
+    import dtensor_moe.routed.kernels as kernels_module
+
+    real = kernels_module.swiglu_down
 
     def wrapped(*args):
         calls.append(True)
         return real(*args)
 
-    return mock.patch.object(experts_module, "swiglu_down", wrapped)
+    patches = contextlib.ExitStack()  # the plan's two-step and the recompute's checkpoint
+    for module in (experts_module, kernels_module):
+        patches.enter_context(mock.patch.object(module, "swiglu_down", wrapped))
+    return patches
 
 
 CASES = list(itertools.product(

@@ -149,7 +149,14 @@ class ParallelRun:
     """One layout x case: the distributed model next to its single-device reference."""
 
     def __init__(
-        self, layout: Layout, case: Case, rank: int, overlap: bool = True, prepare=None, **config
+        self,
+        layout: Layout,
+        case: Case,
+        rank: int,
+        overlap: bool = True,
+        prepare=None,
+        exchange: str = "all_to_all",
+        **config,
     ) -> None:
         """``prepare(moe)``, if given, changes the reference layer (an adapter swap, a wrapper)
         before the copy that the styles parallelize."""
@@ -164,6 +171,7 @@ class ParallelRun:
             self.meshes,
             sequence_parallel=layout.sequence_parallel,
             expert_tp_dispatch=layout.expert_tp_dispatch,
+            exchange=exchange,
             ep_overlap=overlap,
         )
         dp, B = self.meshes.dp, case.B
@@ -299,6 +307,29 @@ class ParallelMoEParityTest(DistTestBase):
     def test_config_options(self):
         for name, overrides in OPTION_RUNS:
             self._run_layout(name, [Case(2, 7, 2, 1)], **overrides)
+
+    @with_comms
+    def test_all_gather_exchange(self):
+        """``exchange="all_gather"`` (Note [All-gather exchange] in ``routed/all_gather.py``) on
+        every EP layout, on the case that takes uneven shards, batch > 1, top-2 and a shared
+        expert (the whole matrix under ``DTENSOR_MOE_FULL_MATRIX=1``), and with the options that
+        change its dispatch: padding, scores before the experts, the loop path with ``H < D``.
+        Capacity and pipeline schedules: ``tests/test_exchange_backends.py``."""
+        cases = CASES if CASES is FULL_MATRIX else [Case(2, 7, 2, 1)]
+        for name, case in itertools.product(AG_LAYOUTS, cases):
+            run = ParallelRun(LAYOUTS[name], case, self.rank, exchange="all_gather")
+            run_steps(run, f"{name} {case} all_gather")
+        for name, overrides in AG_OPTION_RUNS:
+            run = ParallelRun(LAYOUTS[name], Case(2, 7, 2, 1), self.rank, exchange="all_gather",
+                              **overrides)  # fmt: skip
+            run_steps(run, f"{name} all_gather {overrides}")
+
+
+AG_LAYOUTS = ("ep2", "ep4", "ep2tp2", "ep2tp2_gather", "sp2ep2", "sp2ep4", "tp2ep2")
+AG_OPTION_RUNS = [
+    ("ep4", {"pad_multiple": 4, "score_before_experts": True}),
+    ("ep2", {"compute_path": "loop", "hidden_dim": 8}),
+]
 
 
 if __name__ == "__main__":

@@ -31,9 +31,8 @@ from dtensor_moe import (
     build_moe_meshes,
     parallelize_moe,
 )
-import dtensor_moe.parallel.dispatch as dispatch_module
-from dtensor_moe.moe import TokenDispatcher, permute_tokens
-from dtensor_moe.parallel import AllToAllTokenDispatcher
+import dtensor_moe.routed.all_to_all as dispatch_module
+from dtensor_moe.routed import AllToAllExchange, LocalExchange, permute_tokens
 from tests._dist import DistTestBase
 from tests.test_moe_layer import reference_moe
 from tests.test_parallel_moe import (
@@ -129,8 +128,8 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
         outputs, nodes = {}, {}
         for overlap in (True, False):
             model, meshes, layout = _build("ep2tp2", COUNT_CASE, overlap=overlap)
-            self.assertIs(model.experts.dispatcher.overlap, overlap)
-            self.assertIn(f"overlap={overlap}", repr(model.experts.dispatcher))
+            self.assertIs(model.experts.exchange.overlap, overlap)
+            self.assertIn(f"overlap={overlap}", repr(model.experts.exchange))
             torch.manual_seed(1 + self.rank // meshes.tp)
             x = _input(meshes, layout, torch.randn(COUNT_CASE.B, COUNT_CASE.L, D))
             seen = []
@@ -179,7 +178,7 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
 
     @with_comms
     def test_double_backward_through_the_exchanges(self):
-        """Note [Double backward] in dtensor_moe/moe/dispatch.py: under EP4, on the default
+        """Note [Double backward] in dtensor_moe/routed/layouts.py: under EP4, on the default
         path and with the plain one (overlap=False, fused_routed_step=False), a gradient
         penalty's gradients equal those of the per-token reference (plain autograd, not the
         layer): the first-order input gradient, the input's and every parameter's gradient."""
@@ -216,7 +215,7 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
     def test_double_backward_under_sequence_parallelism(self):
         """The same under SP2 x EP2 (uneven L = 7 over the tp ranks, the plain exchange): the
         input is a DTensor whose gradient leaves through ``local_views``, whose backward keeps
-        the graph in grad mode (Note [Double backward] in dtensor_moe/moe/dispatch.py)."""
+        the graph in grad mode (Note [Double backward] in dtensor_moe/routed/layouts.py)."""
         config = dict(aux_loss_coeff=0.0, use_expert_bias=False, fused_routed_step=False)
         model, meshes, layout = _build("sp2ep2", COUNT_CASE, overlap=False, **config)
         torch.manual_seed(0)
@@ -409,19 +408,19 @@ sp2ep4: forward all_reduce=1 alltoall_base_=3 | backward alltoall_base_=2""",
             with CommDebugMode() as comm, self.assertRaisesRegex(ValueError, pattern, msg=what):
                 fn()
             self.assertEqual(comm.get_total_counts(), 0, f"{what}: a collective ran")
-        # combine with metadata from another dispatcher: TypeError before the exchange
+        # combine with metadata from another exchange: TypeError before the exchange
         x_TD = torch.randn(3, D)
         ids_TK = torch.tensor([[0, 1], [2, 3], [4, 5]])
         counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
-        plain = TokenDispatcher(num_experts=E).dispatch(x_TD, torch.ones(3, 2), ids_TK, counts_E)
+        plain = LocalExchange(num_experts=E).dispatch(x_TD, torch.ones(3, 2), ids_TK, counts_E)
         routed_RD = permute_tokens(x_TD, plain.layout)
-        ep_dispatcher = AllToAllTokenDispatcher(num_experts=E, mesh=meshes.expert["ep"])
+        ep_exchange = AllToAllExchange(num_experts=E, mesh=meshes.expert["ep"])
         with CommDebugMode() as comm, self.assertRaisesRegex(
             TypeError,
-            r"AllToAllTokenDispatcher.combine needs the Routed that this dispatcher's dispatch "
+            r"AllToAllExchange.combine needs the Routed that this exchange's dispatch "
             r"returned \(it carries the exchange\), got one without an exchange",
         ):
-            ep_dispatcher.combine(routed_RD, plain)
+            ep_exchange.combine(routed_RD, plain)
         self.assertEqual(comm.get_total_counts(), 0, "combine: a collective ran")
 
     @with_comms

@@ -31,7 +31,8 @@ from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 
 from dtensor_moe import _compat
-from dtensor_moe.parallel import exchange, overlap_f_b
+from dtensor_moe.parallel import overlap_f_b
+from dtensor_moe.routed import all_to_all as pairs, exchange
 from dtensor_moe.parallel.overlap import run_pair
 from tests._dist import DistTestBase
 from tests import test_pipeline_schedule as schedule_tests  # (its test class would rerun here)
@@ -46,7 +47,7 @@ def dualpipe_v_overlapped(stages, n_microbatches, **kwargs):
 def recorded_exchanges(events: list, a2a: list):
     """Record every exchange start and wait as ``(kind, id(exchange), side)``, side ``"B"``
     inside autograd's backward, and the split sizes of every ``all_to_all_single``."""
-    launch, wait, all_to_all = exchange._launch, exchange.Exchange.wait, dist.all_to_all_single
+    launch, wait, all_to_all = pairs._launch, pairs.Exchange.wait, dist.all_to_all_single
 
     def side() -> str:
         return "B" if _compat.in_backward_pass() else "F"
@@ -63,12 +64,12 @@ def recorded_exchanges(events: list, a2a: list):
         a2a.append((out_splits, in_splits))
         return all_to_all(out, inp, out_splits, in_splits, **kwargs)
 
-    exchange._launch, exchange.Exchange.wait = recording_launch, recording_wait
+    pairs._launch, pairs.Exchange.wait = recording_launch, recording_wait
     dist.all_to_all_single = recording_all_to_all
     try:
         yield
     finally:
-        exchange._launch, exchange.Exchange.wait = launch, wait
+        pairs._launch, pairs.Exchange.wait = launch, wait
         dist.all_to_all_single = all_to_all
 
 

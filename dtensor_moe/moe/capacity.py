@@ -41,7 +41,7 @@ length is data, read on the host once per forward (the expert-parallel exchange 
 sizes anyway). With ``pad_to_capacity`` every expert's group is exactly ``C`` rows, zero-padded:
 every shape is known before the step, no count is read on the host, and the expert-parallel
 exchange needs neither the count exchange nor a host read (the sync-free path, Note [Static
-exchange at capacity] in ``dtensor_moe/parallel/dispatch.py``). Padding rows are zeros, which
+exchange at capacity] in ``dtensor_moe/routed/all_to_all.py``). Padding rows are zeros, which
 the experts map to zeros and which give no gradient.
 """
 
@@ -50,24 +50,12 @@ the experts map to zeros and which give no gradient.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from dtensor_moe.routed.layouts import Capacity
+
 __all__ = ["Capacity", "capacity_keep", "expert_capacity"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Capacity:
-    """The capacity of one forward, handed to the dispatcher with the routing.
-
-    Attributes:
-        per_expert: ``C``, the most pairs an expert takes.
-        padded: every expert's row group is exactly ``C`` rows (``pad_to_capacity``).
-    """
-
-    per_expert: int
-    padded: bool
 
 
 def expert_capacity(

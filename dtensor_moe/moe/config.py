@@ -96,11 +96,11 @@ class MoEConfig:
         recompute_experts: keep only the routed experts' input for backward and recompute the
             expert math there (three more grouped matmuls per backward, the least activation
             memory); ``False`` keeps the two pre-activations. Results are identical either way.
-            See Note [What the experts save for backward] in ``experts.py``.
+            See Note [What the experts save for backward] in ``routed/kernels.py``.
         fused_routed_step: on the ``grouped_mm`` path (one process and under expert
             parallelism), run the routed SwiGLU in two steps whose backward keeps less: the
             gathered rows are gathered again and the SwiGLU products are not kept (Note [The
-            routed SwiGLU in two steps] in ``experts.py``); ``False``: plain autograd. Outputs
+            routed SwiGLU in two steps] in ``routed/kernels.py``); ``False``: plain autograd. Outputs
             are the same bits either way, gradients the same up to float rounding.
         capacity_factor: each expert takes at most ``ceil(capacity_factor * T * K / E)``
             of the (token, expert) pairs of one forward's batch of ``T`` tokens and drops the
@@ -350,7 +350,7 @@ def autocast_off(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """A context that turns ``torch.autocast`` off for ``t``'s device type where it is on, for
     the parts of the layer that compute in a dtype of their own (the router in
     ``router_dtype``, the routed experts in their weights' dtype: Note [Routed experts under
-    autocast] in ``experts.py``); a no-op context otherwise."""
+    autocast] in ``routed/kernels.py``); a no-op context otherwise."""
     device_type = t.device.type
     if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)

@@ -1,4 +1,4 @@
-"""The MoE layer: router, routed experts (dispatcher + grouped experts), shared experts.
+"""The MoE layer: router, routed experts (``dtensor_moe.routed``), shared experts.
 
 Shape legend:
     B  sequences, L  tokens per sequence, T = B * L
@@ -23,10 +23,10 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_moe.moe.balance import attach_aux_loss
 from dtensor_moe.moe.config import DeviceLike, MoEConfig, factory_kwargs
-from dtensor_moe.moe.dispatch import TokenDispatcher
-from dtensor_moe.moe.experts import GroupedExperts, SharedExperts
 from dtensor_moe.moe.router import TokenChoiceTopKRouter, count_unless_recompute
+from dtensor_moe.moe.shared import SharedExperts
 from dtensor_moe.moe.tokens import RoutedTokens
+from dtensor_moe.routed import GroupedExperts, LocalExchange
 
 __all__ = ["MoE"]
 
@@ -58,8 +58,9 @@ class MoE(nn.Module):
     """Mixture-of-Experts feed-forward layer; ``y = moe(x)`` keeps shape, dtype and device.
 
     Children:
-        ``router`` (:class:`TokenChoiceTopKRouter`), ``experts`` (:class:`GroupedExperts`,
-        owning ``experts.dispatcher``), ``shared_experts`` (:class:`SharedExperts` or ``None``).
+        ``router`` (:class:`TokenChoiceTopKRouter`), ``experts``
+        (:class:`~dtensor_moe.routed.GroupedExperts`, run by its ``experts.plan``),
+        ``shared_experts`` (:class:`SharedExperts` or ``None``).
 
     Args:
         config: the layer's :class:`MoEConfig`.
@@ -79,7 +80,7 @@ class MoE(nn.Module):
         big = MoE(moe.config, device="cuda", dtype=torch.bfloat16)  # made there, no copy
 
     No collective runs in forward or backward of the single-process layer; parallel styles add
-    them through the dispatcher and the DTensor weights.
+    them through the exchange backend and the DTensor weights.
 
     Note [MoE under torch.compile]: in one process, ``torch.compile(moe)`` (or of a block that
     holds it) traces the whole layer in float32 and bf16 with the default ``compute_path``:
@@ -87,7 +88,7 @@ class MoE(nn.Module):
     * tokens per expert are counted with a static-shape ``scatter_add`` (``expert_counts``),
       not ``bincount``, and the expert path reads no counts on the host while compiling;
     * the grouped matmuls go through ``dtensor_moe::grouped_mm`` (Note [grouped_mm under
-      torch.compile] in ``experts.py``), which traces in float32 too;
+      torch.compile] in ``routed/kernels.py``), which traces in float32 too;
     * in training, the router's ``tokens_per_expert`` update runs eagerly, last in the forward,
       so that an activation-checkpoint recompute does not count twice: the one graph break
       (none in eval mode). ``fullgraph=True`` therefore works in eval mode and raises, in
@@ -120,7 +121,7 @@ class MoE(nn.Module):
         factory = factory_kwargs(device, dtype)
         self.config = config
         self.router = TokenChoiceTopKRouter(config, **factory)
-        dispatcher = TokenDispatcher(
+        exchange = LocalExchange(
             num_experts=config.num_experts,
             pad_multiple=config.pad_multiple,
             score_before_experts=config.score_before_experts,
@@ -130,7 +131,7 @@ class MoE(nn.Module):
             hidden_dim=config.hidden_dim,
             num_experts=config.num_experts,
             compute_path=config.compute_path,
-            dispatcher=dispatcher,
+            exchange=exchange,
             init_std=config.init_std,
             recompute_experts=config.recompute_experts,
             fused_routed_step=config.fused_routed_step,
@@ -218,15 +219,16 @@ class MoE(nn.Module):
 # Note [Eager islands under torch.compile]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Some expert calls read counts or exchange sizes on the host: the expert-parallel exchange
-# (Note [Expert parallelism under torch.compile] in ``parallel/dispatch.py``), ``pad_multiple >
+# (Note [Expert parallelism under torch.compile] in ``routed/all_to_all.py``), ``pad_multiple >
 # 1``, a capacity without ``pad_to_capacity``, and the ``loop``/``bmm`` compute paths. Traced,
 # each such read would break the graph and recompile for every new count, so that code runs
-# eagerly. The dispatcher and the experts each mark their own eager part (``torch.compiler.
-# disable``), which is what a caller of ``GroupedExperts`` alone gets; but a break deep inside
-# the experts is counted once per Python frame around it (the experts' forward, the dispatcher's
-# the stages, ...), each frame resumes in a compiled piece of its own, and every piece
+# eagerly. A caller of ``GroupedExperts`` alone gets a graph break at each such read; but a
+# break deep inside
+# the experts is counted once per Python frame around it (the experts' forward, the exchange's
+# stages, ...), each frame resumes in a compiled piece of its own, and every piece
 # costs a guard check and a runtime wrapper per call. So while compiling, ``MoE.forward`` asks
-# the experts first (``GroupedExperts.runs_eagerly_under_compile``) and, when they would run
+# the experts first (``GroupedExperts.runs_eagerly_under_compile``, which asks its
+# plan) and, when they would run
 # eagerly in part, calls the whole experts module eagerly from its own frame: one graph break
 # in the layer, with torch's default ``nested_graph_breaks=False`` too. The island runs
 # exactly the eager code (the module's hooks included), so results are the eager ones; the

@@ -4,7 +4,6 @@ See ``docs/parallelism.md``.
 """
 
 from dtensor_moe.parallel.dense import DenseNames, dense_tp_plan, parallelize_dense
-from dtensor_moe.parallel.dispatch import AllToAllTokenDispatcher
 from dtensor_moe.parallel.fsdp import expert_shard_dim, fully_shard_moe
 from dtensor_moe.parallel.grads import reduce_gradients
 from dtensor_moe.parallel.mesh import MoEMeshes, build_moe_meshes
@@ -17,7 +16,6 @@ from dtensor_moe.parallel.style import ExpertParallel, ExpertTensorParallel, Pre
 from dtensor_moe.parallel.token_parallel import TokenParallel, TokenSplit
 
 __all__ = [
-    "AllToAllTokenDispatcher",
     "DenseNames",
     "ExpertParallel",
     "ExpertTensorParallel",

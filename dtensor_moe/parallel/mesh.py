@@ -355,30 +355,3 @@ def _live_entry(key: tuple) -> _Built | None:
         if built.world() is not current or current is None or not built.alive():
             _BUILT.pop(k, None)  # ranks run as threads of one process may drop it together
     return _BUILT.get(key)
-
-
-# Note [Ranks of a mesh, read once]
-# A mesh's ranks and this process's position in it never change, but reading them costs a
-# tensor-to-list conversion (``mesh.mesh.tolist()``) or a process-group lookup
-# (``get_local_rank``), and under ``torch.compile`` both are host reads of tensor data that
-# break the graph. So the objects that need them (dispatchers, the token-parallel forward)
-# read them once, at construction, through the two helpers below, and keep them as plain
-# ints and tuples: this is the one place the local rank comes from.
-
-
-def mesh_ranks(mesh: DeviceMesh) -> tuple[int, ...]:
-    """The global ranks of ``mesh`` in its row-major order, as a tuple of ints."""
-    return tuple(mesh.mesh.flatten().tolist())
-
-
-def local_rank(mesh: DeviceMesh) -> int:
-    """This process's index in the 1-D ``mesh``; ``ValueError`` if it is not a member."""
-    if mesh.ndim != 1:
-        raise ValueError(f"local_rank needs a 1-D DeviceMesh, got {mesh} ({mesh.ndim}-D)")
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise ValueError(
-            f"this process (rank {dist.get_rank()}) is not a member of {mesh}; build the "
-            "layer's meshes on every rank that runs it"
-        )
-    return coordinate[0]

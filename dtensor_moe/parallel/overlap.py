@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from dtensor_moe import _compat
-from dtensor_moe.parallel import exchange
+from dtensor_moe.routed import exchange
 from dtensor_moe.parallel.stages import check_schedule
 
 # torch.distributed.pipelining is imported where it is used, not with the package: a process
@@ -101,6 +101,7 @@ def overlap_f_b(schedule: Any) -> Any:
     for action in overlaps:
         _sides(action)  # raises on a malformed pair
     check_schedule(schedule)  # Note [FSDP2 under V schedules]
+    _check_hand_over(schedule)
     if not _compat.runtime_defines_perform_action():
         raise RuntimeError(
             f"overlap_f_b: torch {torch.__version__}'s pipeline runtime has no per-action "
@@ -109,6 +110,22 @@ def overlap_f_b(schedule: Any) -> Any:
         )
     schedule.register_custom_function(OVERLAP_F_B, _run_overlapped)
     return schedule
+
+
+def _check_hand_over(schedule: Any) -> None:
+    """Refuse a stage whose experts' exchange does not hand over at its launches (Note
+    [Exchange protocol] in ``routed/exchange.py``): the turns would never pass there, and the
+    overlap would silently not happen. Every rank checks its own stages; no collective."""
+    for stage in _compat.schedule_stages(schedule):
+        for name, module in stage.submod.named_modules():
+            exchange = getattr(getattr(module, "plan", None), "exchange", None)
+            if exchange is not None and not exchange.hands_over_launches:
+                raise ValueError(
+                    f"overlap_f_b: stage {stage.stage_index}'s experts {name!r} use the "
+                    f"{exchange.name!r} exchange, which does not hand over to the other "
+                    "micro-batch at its launches (hands_over_launches=False), so nothing would "
+                    "overlap; parallelize the experts with exchange='all_to_all'"
+                )
 
 
 def _sides(action: Any) -> tuple[Any, Any, int]:

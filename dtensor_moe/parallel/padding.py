@@ -26,7 +26,7 @@ library does about it at run time:
    (token counts, auxiliary loss, expert-bias updates) or given gradient. The expert-parallel
    all-to-alls do not pad either: they are variable-split, with the sizes exchanged first
    (Note [All-to-all dispatch] in ``dispatch.py``). (``MoEConfig.pad_multiple`` is a different
-   thing: alignment padding of each expert's row group, see ``dtensor_moe/moe/dispatch.py``.)
+   thing: alignment padding of each expert's row group, see ``dtensor_moe/routed/layouts.py``.)
 3. **Global token indices are batch-aware.** A local token's index into the flattened global
    ``(B * L)`` token order is ``b * L + offset_r + l`` for a sequence split (``Shard(1)``);
    ``local_idx + T_local * rank`` is wrong as soon as ``B > 1``

@@ -34,6 +34,7 @@ from dtensor_moe.parallel.mesh import MoEMeshes
 from dtensor_moe.parallel.style import (
     ExpertParallel,
     ExpertTensorParallel,
+    ExchangeName,
     ExpertTPDispatch,
     PrepareMoEInput,
 )
@@ -47,6 +48,7 @@ def parallelize_moe(
     *,
     sequence_parallel: bool,
     expert_tp_dispatch: ExpertTPDispatch = "all_to_all",
+    exchange: ExchangeName = "all_to_all",
     ep_overlap: bool = True,
 ) -> nn.Module:
     """Apply the MoE styles of Note [MoE plan] to every :class:`MoE` in ``model`` (in place).
@@ -59,9 +61,12 @@ def parallelize_moe(
             tokens; the all-to-all replicates rows over the etp ranks) or ``"gather"`` (the tp
             ranks gather the tokens and reduce partial outputs); see
             :class:`~dtensor_moe.parallel.ExpertTensorParallel`.
-        ep_overlap: ``overlap`` of the expert styles: the own rows computed during the exchange
-            (``True``, default, faster) or the plain functional-collective path (``False``);
-            same results. See :class:`~dtensor_moe.parallel.ExpertParallel`.
+        exchange: the exchange backend of the expert styles, by registered name or class:
+            ``"all_to_all"`` (default) or ``"all_gather"`` (Note [Exchange protocol] in
+            ``routed/exchange.py``); see :class:`~dtensor_moe.parallel.ExpertParallel`.
+        ep_overlap: ``overlap`` of the expert styles: the own rows computed while the other
+            rows travel (``True``, default, faster) or every row sent through the exchange
+            (``False``); same results. See :class:`~dtensor_moe.parallel.ExpertParallel`.
 
     Returns:
         ``model``. Collectives: each style's apply-time config check and weight distribution.
@@ -97,10 +102,13 @@ def parallelize_moe(
     gather = expert_tp and expert_tp_dispatch == "gather"
     for moe in layers:
         if expert_tp:
-            style = ExpertTensorParallel(dispatch=expert_tp_dispatch, overlap=ep_overlap)
+            style = ExpertTensorParallel(
+                dispatch=expert_tp_dispatch, exchange=exchange, overlap=ep_overlap
+            )
             parallelize_module(moe.experts, meshes.expert["ep", "etp"], style)
         elif meshes.ep > 1:
-            parallelize_module(moe.experts, meshes.expert["ep"], ExpertParallel(overlap=ep_overlap))
+            style = ExpertParallel(exchange=exchange, overlap=ep_overlap)
+            parallelize_module(moe.experts, meshes.expert["ep"], style)
         if meshes.tp > 1:
             style = PrepareMoEInput(
                 input_layout=Shard(1) if sequence_parallel else Replicate(),

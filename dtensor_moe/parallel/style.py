@@ -17,9 +17,9 @@ runs, on every rank of the mesh:
    a config mismatch, before any other collective, so no rank can hang waiting for one that
    raised;
 3. distributes the weights (``distribute_tensor``: a scatter or broadcast from the mesh's first
-   rank) and installs the dispatcher, or the layer's ``token_parallel`` and its forward hooks.
+   rank) and installs the exchange backend in the experts' plan, or the layer's ``token_parallel`` and its forward hooks.
 
-No style keeps per-forward state: everything one forward needs is in the dispatcher's metadata
+No style keeps per-forward state: everything one forward needs is in the exchange's frozen values
 or local variables, so the layer works under activation-checkpoint recompute and with several
 micro-batches in flight.
 """
@@ -36,9 +36,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from dtensor_moe import _compat
-from dtensor_moe.moe.experts import GroupedExperts
 from dtensor_moe.moe.layer import MoE
-from dtensor_moe.parallel.dispatch import AllToAllTokenDispatcher
+from dtensor_moe.routed import GroupedExperts, TokenExchange, exchange_class
 from dtensor_moe.parallel.objects import all_gather_objects
 from dtensor_moe.parallel.token_parallel import (
     INPUT_LAYOUTS,
@@ -122,16 +121,60 @@ def _check_ndim(mesh: DeviceMesh, allowed: tuple[int, ...], style: str, hint: st
 
 
 def _experts_fingerprint(module: GroupedExperts) -> tuple:
-    d = module.dispatcher
+    plan, ex = module.plan, module.plan.exchange
     return (
         tuple(module.w1.shape),
         tuple(module.w2.shape),
         str(module.w1.dtype),
-        module.compute_path,
-        d.num_experts,
-        d.pad_multiple,
-        d.score_before_experts,
+        plan.kernel,
+        plan.memory,
+        plan.recompute,
+        ex.num_experts,
+        ex.pad_multiple,
+        ex.score_before_experts,
     )
+
+
+ExchangeName: TypeAlias = str | type[TokenExchange]
+
+
+def _check_exchange(exchange: Any, style: str) -> None:
+    """A registered backend name or class (Note [Exchange protocol] in
+    ``routed/exchange.py``), at construction: the same on every rank."""
+    try:
+        exchange_class(exchange)
+    except ValueError as err:
+        raise ValueError(f"{style}: {err}") from None
+
+
+def _named(exchange: ExchangeName) -> str:
+    """``"exchange=..., "`` for a repr, empty for the default backend."""
+    return "" if exchange == "all_to_all" else f"exchange={exchange!r}, "
+
+
+def _install_exchange(
+    module: GroupedExperts,
+    exchange: ExchangeName,
+    *,
+    mesh: DeviceMesh | None,
+    overlap: bool,
+    replicas: int = 1,
+    partial_mesh: DeviceMesh | None = None,
+) -> None:
+    """Put the experts' plan on ``mesh`` with the named backend (the local one without a
+    mesh); the layout settings (padding, where the scores apply) stay the plan's."""
+    old = module.plan.exchange
+    cls = exchange_class("local" if mesh is None else exchange)
+    new = cls(
+        num_experts=old.num_experts,
+        pad_multiple=old.pad_multiple,
+        score_before_experts=old.score_before_experts,
+        mesh=mesh,
+        replicas=replicas,
+        partial_mesh=partial_mesh,
+        overlap=overlap,
+    )
+    module.plan = module.plan.with_exchange(new)
 
 
 class ExpertParallel(ParallelStyle):
@@ -142,8 +185,8 @@ class ExpertParallel(ParallelStyle):
         parallelize_module(moe, meshes.expert["ep"], {"experts": ExpertParallel()})
 
     ``w1``/``w2``/``w3`` become ``Shard(0)`` DTensors (rank ``p`` of ``ep`` holds experts
-    ``[p * E / ep, (p + 1) * E / ep)``) and the dispatcher becomes an
-    :class:`~dtensor_moe.parallel.AllToAllTokenDispatcher` on the mesh. The ranks may hold
+    ``[p * E / ep, (p + 1) * E / ep)``) and the experts' plan takes the ``exchange`` backend on
+    the mesh. The ranks may hold
     different tokens (data-parallel ranks, "dp2ep") or the tp ranks of a sequence-parallel
     block (with :class:`PrepareMoEInput` ``routing="split"``). Expert weight gradients are
     ``Shard(0)`` DTensors holding the complete gradient of the local experts.
@@ -153,12 +196,13 @@ class ExpertParallel(ParallelStyle):
     forward: ``all_to_all_single`` x 3; backward: ``all_to_all_single`` x 2, all on the mesh.
 
     Args:
-        overlap: the switch between the two implementations of the exchange (Note
-            [Own rows] in ``parallel/dispatch.py``): ``True`` (default, faster)
-            runs dispatch, experts and combine as one autograd node that overlaps both
-            exchanges with the math on this rank's own rows; ``False`` runs the plain
-            ``dispatch`` -> ``compute`` -> ``combine`` path with functional collectives. Same
-            results; the parity tests run both. Stored on the dispatcher as ``overlap``.
+        exchange: the backend, by registered name or class (Note [Exchange protocol] in
+            ``routed/exchange.py``): ``"all_to_all"`` (default) sends each row to the rank of
+            its expert; ``"all_gather"`` gathers every rank's tokens and routing and returns
+            the outputs by reduce-scatter (better at small EP degrees and high top-k).
+        overlap: compute this rank's own rows while the other rows travel (Note [Own rows] in
+            ``routed/all_to_all.py``), ``True`` by default where the backend can; ``False``
+            sends every row through the exchange. Same results; the parity tests run both.
 
     Precondition: the ranks of the mesh route different tokens (different data, or the tp
     ranks of a block under :class:`PrepareMoEInput` ``routing="split"``). Ranks routing the same
@@ -172,10 +216,12 @@ class ExpertParallel(ParallelStyle):
             collective; see Note [Style application]).
     """
 
-    def __init__(self, *, overlap: bool = True) -> None:
+    def __init__(self, *, exchange: ExchangeName = "all_to_all", overlap: bool = True) -> None:
         super().__init__()
         if not isinstance(overlap, bool):
             raise TypeError(f"ExpertParallel: overlap must be a bool, got {overlap!r}")
+        _check_exchange(exchange, "ExpertParallel")
+        self.exchange = exchange
         self.overlap = overlap
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -194,33 +240,13 @@ class ExpertParallel(ParallelStyle):
         )
         for name in ("w1", "w2", "w3"):
             _distribute_param(module, name, device_mesh, [Shard(0)])
-        module.dispatcher = _dispatcher(
-            module, mesh=device_mesh if ep > 1 else None, overlap=self.overlap
+        _install_exchange(
+            module, self.exchange, mesh=device_mesh if ep > 1 else None, overlap=self.overlap
         )
         return module
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(overlap={self.overlap})"
-
-
-def _dispatcher(
-    module: GroupedExperts,
-    *,
-    mesh: DeviceMesh | None,
-    overlap: bool,
-    replicas: int = 1,
-    partial_mesh: DeviceMesh | None = None,
-) -> AllToAllTokenDispatcher:
-    old = module.dispatcher
-    return AllToAllTokenDispatcher(
-        num_experts=old.num_experts,
-        mesh=mesh,
-        replicas=replicas,
-        partial_mesh=partial_mesh,
-        pad_multiple=old.pad_multiple,
-        score_before_experts=old.score_before_experts,
-        overlap=overlap,
-    )
+        return f"{type(self).__name__}({_named(self.exchange)}overlap={self.overlap})"
 
 
 class ExpertTensorParallel(ParallelStyle):
@@ -235,7 +261,8 @@ class ExpertTensorParallel(ParallelStyle):
             ``"gather"``: every ``etp`` rank routes all tokens of the group (gathered by
             :class:`PrepareMoEInput` ``routing="replicate"``) and the experts' output is a
             ``Partial`` DTensor on the ``etp`` mesh, reduced to the input layout.
-        overlap: as for :class:`ExpertParallel`.
+        exchange, overlap: as for :class:`ExpertParallel`; ``dispatch="all_to_all"`` needs a
+            backend with the ``expert_tp`` feature (``"all_to_all"``).
 
     On a 2-D ``(ep, etp)`` mesh (for example ``meshes.expert["ep", "etp"]``): ``w1``/``w3``
     (``(E, H, D)``) become ``[Shard(0), Shard(1)]`` and ``w2`` (``(E, D, H)``)
@@ -256,7 +283,11 @@ class ExpertTensorParallel(ParallelStyle):
     """
 
     def __init__(
-        self, *, dispatch: ExpertTPDispatch = "all_to_all", overlap: bool = True
+        self,
+        *,
+        dispatch: ExpertTPDispatch = "all_to_all",
+        exchange: ExchangeName = "all_to_all",
+        overlap: bool = True,
     ) -> None:
         super().__init__()
         if dispatch not in ("all_to_all", "gather"):
@@ -265,7 +296,16 @@ class ExpertTensorParallel(ParallelStyle):
             )
         if not isinstance(overlap, bool):
             raise TypeError(f"ExpertTensorParallel: overlap must be a bool, got {overlap!r}")
+        _check_exchange(exchange, "ExpertTensorParallel")
+        if dispatch == "all_to_all" and "expert_tp" not in exchange_class(exchange).features:
+            raise ValueError(
+                f"ExpertTensorParallel(dispatch='all_to_all') sends each row to every hidden "
+                f"slice of its expert, which the {exchange_class(exchange).name!r} exchange does "
+                "not support (no 'expert_tp' feature); use exchange='all_to_all', or "
+                "dispatch='gather'"
+            )
         self.dispatch = dispatch
+        self.exchange = exchange
         self.overlap = overlap
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -286,14 +326,12 @@ class ExpertTensorParallel(ParallelStyle):
             _distribute_param(module, name, device_mesh, [*lead, Shard(dim)])
         if self.dispatch == "all_to_all":
             mesh = _compat.flatten_mesh(device_mesh)
-            module.dispatcher = _dispatcher(
-                module, mesh=mesh, replicas=etp_mesh.size(), overlap=self.overlap
-            )
+            _install_exchange(module, self.exchange, mesh=mesh, replicas=etp_mesh.size(),
+                              overlap=self.overlap)  # fmt: skip
         else:
             ep_used = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
-            module.dispatcher = _dispatcher(
-                module, mesh=ep_used, partial_mesh=etp_mesh, overlap=self.overlap
-            )
+            _install_exchange(module, self.exchange, mesh=ep_used, partial_mesh=etp_mesh,
+                              overlap=self.overlap)  # fmt: skip
         return module
 
     @staticmethod
@@ -315,7 +353,8 @@ class ExpertTensorParallel(ParallelStyle):
         return None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(dispatch={self.dispatch!r}, overlap={self.overlap})"
+        name, dispatch = type(self).__name__, self.dispatch
+        return f"{name}(dispatch={dispatch!r}, {_named(self.exchange)}overlap={self.overlap})"
 
 
 class PrepareMoEInput(ParallelStyle):

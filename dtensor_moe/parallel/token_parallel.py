@@ -66,7 +66,7 @@ from dtensor_moe import _compat
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.moe.losses import LossTokens
 from dtensor_moe.moe.tokens import RoutedTokens
-from dtensor_moe.parallel.mesh import local_rank, mesh_ranks
+from dtensor_moe.routed.exchange import local_rank, mesh_ranks
 from dtensor_moe.parallel.padding import TokenShardMeta
 
 __all__ = ["Routing", "TokenParallel", "TokenSplit", "region_grad_placements"]
@@ -265,28 +265,28 @@ class TokenParallel:
     def check_experts(self, moe: MoE) -> None:
         """The experts' parallelism must match the routing (attribute checks, no collective).
 
-        Compares rank tuples that the dispatcher and this object read once, at construction
+        Compares rank tuples that the exchange and this object read once, at construction
         (Note [Ranks of a mesh, read once]), so it costs nothing and traces under
         ``torch.compile`` as constants.
         """
-        dispatcher = moe.experts.dispatcher
-        partial = getattr(dispatcher, "partial_ranks", ())
+        exchange = getattr(getattr(moe.experts, "plan", None), "exchange", None)
+        partial = getattr(exchange, "partial_ranks", ())
         tp_ranks = self.tp_ranks
         if self.routing == "replicate":
             if partial != tp_ranks:
                 raise ValueError(
                     "PrepareMoEInput(routing='replicate') needs the experts sharded with "
                     "ExpertTensorParallel on ranks equal to the tp mesh "
-                    f"{list(tp_ranks)}; got dispatcher {dispatcher!r}"
+                    f"{list(tp_ranks)}; got exchange {exchange!r}"
                 )
             return
-        ep_ranks = getattr(dispatcher, "ranks", ())
+        ep_ranks = getattr(exchange, "ranks", ())
         if partial or not set(tp_ranks) <= set(ep_ranks):
             raise ValueError(
                 "PrepareMoEInput(routing='split') routes different tokens on each tp rank, so "
                 "the experts must exchange rows over a mesh containing the tp ranks "
                 f"{list(tp_ranks)}: ExpertParallel over an EP mesh that borrows them, or "
-                f"ExpertTensorParallel(dispatch='all_to_all'); got dispatcher {dispatcher!r}. "
+                f"ExpertTensorParallel(dispatch='all_to_all'); got exchange {exchange!r}. "
                 "ExpertTensorParallel(dispatch='gather') needs routing='replicate'"
             )
 

@@ -1,10 +1,33 @@
-"""The expert-parallel token dispatcher: count exchange, then variable-split all-to-all.
+"""The all-to-all exchange: a count exchange, then variable-split all-to-alls of the rows.
 
 Shape legend:
     T  tokens routed by this rank
     D  model width
     E  routed experts (global count); e  experts held by this rank (``E // ep``)
-    K  experts per token; X = K * replicas rows per token (Note [Expert TP by all-to-all])
+    K  experts per token; X = K * replicas rows per token (Note [Exchanges as autograd pairs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Expert-parallel dispatch moves rows out (*scatter*: ``N -> M``) and combine moves the expert
+outputs back (*gather*: ``M -> N``). Each move is two autograd ops: ``*_start`` launches
+``torch.distributed.all_to_all_single(async_op=True)`` and returns the buffer it fills;
+``*_wait`` waits for it. Whatever the caller puts between the two runs while the rows travel.
+
+The backward of a scatter is a gather of the gradients with the same splits, and the other way
+round, and it is written with the same ops: the backward of ``*_wait`` *starts* the reverse
+exchange and the backward of ``*_start`` *waits* for it. Autograd runs ready nodes latest-
+created first, so the work placed between a start and its wait in the forward runs between the
+reverse exchange's start and wait in the backward: the overlap in both directions comes from
+the order of the calls. Because the backward is made of the same differentiable ops, the
+exchanges can be differentiated to any order (``create_graph=True``).
+
+The local rows of a scatter (``n_local``, this rank's own share) are returned as a view, not
+sent; a gather writes the local rows after the received ones and zeros the tail. So a rank's
+own rows never go through the collective, and the sending side's buffer of ``N`` rows, in the
+order the caller sorted them, is what combine reads.
+
+Every rank issues the same exchanges in the same order, with sizes agreed beforehand (the
+count exchange), so the collectives match. ``CommDebugMode`` counts each one.
+
+Note [Expert TP by all-to-all])
     N  rows this rank sends (including its own), sorted by destination rank, then local expert
     M  rows this rank receives from the other ranks, grouped by source rank, then local expert
     R  rows of a routed buffer grouped by local expert, alignment padding included
@@ -13,7 +36,7 @@ Shape legend:
 Note [All-to-all dispatch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 Experts are ``Shard(0)`` over the EP ranks: EP rank ``p`` holds global experts
-``[p * e, (p + 1) * e)``. The stages (Note [Dispatcher steps] in ``dtensor_moe/moe/dispatch.py``):
+``[p * e, (p + 1) * e)``. The stages (Note [Dispatcher steps] in ``layouts.py``):
 
 1. ``dispatch``: launch the count exchange (``all_to_all_single`` of the ``P * e``
    per-destination counts, equal splits), sort the rows by destination rank and local expert
@@ -28,13 +51,13 @@ Experts are ``Shard(0)`` over the EP ranks: EP rank ``p`` holds global experts
    rows (``unpermute_and_reduce``, unweighted).
 
 Every per-forward value lives in the returned ``Routed`` (frozen) or in local variables; the
-dispatcher holds only its configuration.
+exchange holds only its configuration.
 
-Collectives, on the dispatcher's mesh, every rank the same, sizes agreeing by construction:
+Collectives, on the exchange's mesh, every rank the same, sizes agreeing by construction:
 forward ``all_to_all_single`` x 3 (counts, then rows with their combine weights, then
 outputs), backward x 2 (output gradients, then row and weight gradients). The
 exchanges are start/wait pairs of autograd ops (Note [Exchanges as autograd pairs] in
-``exchange.py``); ``CommDebugMode`` counts each ``all_to_all_single``.
+below); ``CommDebugMode`` counts each ``all_to_all_single``.
 
 Note [Packed rows]
 ~~~~~~~~~~~~~~~~~~
@@ -75,7 +98,7 @@ float rounding; the parity tests run both.
 With ``pad_to_capacity`` the exchange is static (Note [Static exchange at capacity]). A
 capacity without padding drops pairs: they get destination ``G`` (one past every expert), sort
 after the own rows, are neither sent nor computed, and their output rows are zero (Note [The
-void row] in ``dtensor_moe/moe/dispatch.py``).
+void row] in ``layouts.py``).
 """
 
 # ruff: noqa: N803, N806, N815
@@ -87,17 +110,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial
 
-from dtensor_moe import _compat
-from dtensor_moe.moe.capacity import Capacity
-from dtensor_moe.moe.dispatch import (
-    ExpertLayout,
+from dtensor_moe.routed.exchange import (
+    FEATURES,
     Received,
     Routed,
-    TokenDispatcher,
+    TokenExchange,
+    announce_launch,
+    register_exchange,
+)
+from dtensor_moe.routed.layouts import (
+    Capacity,
+    ExpertLayout,
+    PaddedPairs,
+    SortedPairs,
     in_order,
     permute_tokens,
     scores_in_rows,
@@ -106,17 +133,146 @@ from dtensor_moe.moe.dispatch import (
     unpermute_and_reduce,
     unpermute_rows,
 )
-from dtensor_moe.parallel.exchange import (
-    Exchange,
-    gather_start,
-    gather_wait,
-    scatter_start,
-    scatter_wait,
-)
-from dtensor_moe.parallel.mesh import local_rank, mesh_ranks
 
-__all__ = ["AllToAllTokenDispatcher", "replicate_over_etp"]
+__all__ = ["AllToAllExchange", "replicate_over_etp"]
 
+
+class Exchange:
+    """Splits of one exchange, from the scattering side, and the state of its collective.
+
+    ``send[q]``/``recv[q]``: rows sent to and received from rank ``q`` of ``group`` (0 for
+    this rank: its rows are the ``n_local`` ones). One ``Exchange`` serves one forward move and
+    the reverse move of its backward; it holds no tensor once both are done.
+    """
+
+    __slots__ = ("group", "send", "recv", "n_send", "n_recv", "n_local", "n_tail", "work",
+                 "pending", "mirror")  # fmt: skip
+
+    def __init__(
+        self, group: Any, send: list[int], recv: list[int], n_local: int = 0, n_tail: int = 0
+    ) -> None:
+        self.group, self.send, self.recv = group, send, recv
+        self.n_send, self.n_recv = sum(send), sum(recv)
+        self.n_local, self.n_tail = n_local, n_tail
+        self.work: Any = None
+        self.pending: torch.Tensor | None = None
+        self.mirror: Exchange | None = None
+
+    def mirrored(self) -> Exchange:
+        return Exchange(self.group, self.send, self.recv, self.n_local, self.n_tail)
+
+    def wait(self) -> None:
+        for work in self.work:
+            work.wait()
+        self.work = None
+
+
+def _launch(ex: Exchange, outs: list, ins: list, out_splits, in_splits) -> None:
+    ex.work = [
+        dist.all_to_all_single(o, i.contiguous(), out_splits, in_splits, group=ex.group,
+                               async_op=True)
+        for o, i in zip(outs, ins)
+    ]  # fmt: skip
+    announce_launch()
+
+
+def _started(ex: Exchange) -> tuple[tuple[torch.Tensor, ...], Exchange]:
+    """The buffers and the exchange that the backward of ``ex``'s wait started (the reverse
+    move), handed to the backward of its start, which waits for them; ``ex`` lets go of them."""
+    pending, mirror = ex.pending, ex.mirror
+    ex.pending = ex.mirror = None
+    return pending, mirror
+
+
+class _ScatterStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ex: Exchange, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        recv = [r.new_empty((ex.n_recv, *r.shape[1:])) for r in rows]
+        _launch(ex, recv, [r[: ex.n_send] for r in rows], ex.recv, ex.send)
+        ctx.ex = ex
+        return (*recv, *(r[ex.n_send : ex.n_send + ex.n_local] for r in rows))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        pending, mirror = _started(ctx.ex)  # by _ScatterWait.backward
+        return None, *_GatherWait.apply(mirror, *pending, *grads[len(pending) :])
+
+
+class _ScatterWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ex: Exchange, *recv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ex.wait()
+        ctx.ex = ex
+        return recv
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ex = ctx.ex
+        ex.mirror = ex.mirrored()
+        ex.pending = _GatherStart.apply(ex.mirror, *grads)
+        return None, *grads  # stand-ins: _ScatterStart.backward reads ex.pending
+
+
+class _GatherStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ex: Exchange, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = ex.n_send + ex.n_local + ex.n_tail
+        full = [o.new_empty((n, *o.shape[1:])) for o in outs]
+        _launch(ex, [f[: ex.n_send] for f in full], list(outs), ex.send, ex.recv)
+        ctx.ex = ex
+        return tuple(full)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        pending, mirror = _started(ctx.ex)  # by _GatherWait.backward
+        return None, *_ScatterWait.apply(mirror, *pending)
+
+
+class _GatherWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ex: Exchange, *full_and_local: torch.Tensor) -> tuple:
+        ex.wait()
+        n = len(full_and_local) // 2
+        end = ex.n_send + ex.n_local
+        for full, local in zip(full_and_local[:n], full_and_local[n:]):
+            full[ex.n_send : end].copy_(local)
+            full[end:].zero_()
+        ctx.mark_dirty(*full_and_local[:n])
+        ctx.ex = ex
+        return full_and_local[:n]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ex = ctx.ex
+        ex.mirror = ex.mirrored()
+        out = _ScatterStart.apply(ex.mirror, *grads)
+        ex.pending = out[: len(grads)]
+        return None, *grads, *out[len(grads) :]  # grads: stand-ins for _GatherStart.backward
+
+
+def scatter_start(ex: Exchange, *rows_N: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Send ``rows_N[:n_send]`` of each tensor (one collective each, the same splits);
+    returns the receive buffers (in flight: pass them to :func:`scatter_wait` before reading
+    them), then the local rows of each (views). One autograd node for all of them, so that
+    every rank runs the reverse exchanges in the same order."""
+    return _ScatterStart.apply(ex, *rows_N)
+
+
+def scatter_wait(ex: Exchange, *recv_M: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The received rows of :func:`scatter_start`, once they have arrived."""
+    return _ScatterWait.apply(ex, *recv_M)
+
+
+def gather_start(ex: Exchange, *out_M: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Send each ``out_M`` back to the ranks its rows came from; returns the ``N``-row buffers
+    (in flight: pass them to :func:`gather_wait`)."""
+    return _GatherStart.apply(ex, *out_M)
+
+
+def gather_wait(ex: Exchange, *full_and_local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The ``N`` rows of :func:`gather_start`: received rows, then the local rows, then zeros;
+    pass the in-flight buffers, then one local tensor per buffer."""
+    return _GatherWait.apply(ex, *full_and_local)
 
 
 def replicate_over_etp(
@@ -197,50 +353,17 @@ class _InFlight:
     back: Exchange
 
 
-# Note [Ranks with identical tokens]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Expert parallelism assumes that the ranks of its mesh route different tokens: each expert
-# sums the gradients of the rows it receives, and the result is labelled the complete
-# gradient. Ranks that route the same tokens (for example the tp ranks of a block, with the
-# plan applied without PrepareMoEInput) still give correct outputs, but expert gradients too
-# large by the number of such ranks, silently. So a dispatcher all-gathers a checksum of each
-# rank's tokens (token count and a position-weighted float64 sum) once, on its first forward
-# with gradients enabled, and on every forward under TORCH_DISTRIBUTED_DEBUG=DETAIL; every
-# rank sees the same gathered values and so raises the same ValueError, before any exchange.
-# Forwards without gradients (evaluation, which may well give every rank the same batch) are
-# not checked, nor the forward of torch's pipeline metadata inference (a ``PipelineStage``
-# built without static metadata; the stages after the first run it on uninitialised buffers,
-# which may be equal on every rank): every rank of the mesh is in that pass alike, and the
-# check waits for the first real training forward. The verdict lives on the dispatcher
-# (``tokens_checked``).
-
-
 # Note [Expert parallelism under torch.compile]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The exchange sizes of an all-to-all are data: they must be read on the host, and traced code
 # would specialise on them and recompile at nearly every step. So while ``torch.compile``
-# traces a layer, the stages of a dispatcher with a mesh (dispatch, the expert math and
+# traces a layer, the stages of an exchange with a mesh (dispatch, the expert math and
 # combine) runs eagerly, as one island: the graph breaks around it, and only around it. An MoE
 # layer enters the island one level up, calling its whole experts module eagerly (Note [Eager
 # islands under torch.compile] in ``moe/layer.py``: one break instead of one per frame). The
 # island runs exactly the eager code (the own rows' overlap included), so compiled and eager
 # results are identical; the router, the shared experts and everything around the layer are
 # compiled. torchtitan keeps its EP all-to-all out of the graph the same way.
-def _check_equal_capacity(capacities: list[int], mesh: DeviceMesh, ranks: tuple[int, ...]) -> None:
-    """Note [Static exchange at capacity]: the ranks of ``mesh`` must agree on the capacity
-    (``-1``: not padded to capacity); ``capacities`` is the all-gathered list, the same on every
-    rank, so every rank raises alike."""
-    if len(set(capacities)) <= 1:
-        return
-    per_rank = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, capacities, strict=True))
-    raise ValueError(
-        f"pad_to_capacity under expert parallelism over {mesh} needs the same expert capacity "
-        f"on every rank, got {per_rank} (-1: no pad_to_capacity). A capacity_factor's capacity "
-        "follows the number of tokens a forward routes, so give every rank the same batch "
-        "shape (B, L), or set a fixed capacity_per_expert instead (the same on every rank "
-        "for any batch), or set pad_to_capacity=False (the exchange then reads its sizes on "
-        "the host)"
-    )
 
 
 # Note [Static exchange at capacity]
@@ -257,159 +380,58 @@ def _check_equal_capacity(capacities: list[int], mesh: DeviceMesh, ranks: tuple[
 # tokens]); ``capacity_per_expert`` fixes ``C`` for every batch, so batches may differ.
 
 
-class AllToAllTokenDispatcher(TokenDispatcher):
-    """Expert-parallel dispatch and combine over a 1-D mesh; see Note [All-to-all dispatch].
+@register_exchange
+class AllToAllExchange(TokenExchange):
+    """Expert-parallel dispatch and combine by all-to-all over a 1-D mesh; see Note [All-to-all
+    dispatch]. Registered as ``"all_to_all"``: the default backend, with every feature.
 
-    Keyword Args:
-        num_experts: ``E``, routed experts in the whole layer.
-        mesh: 1-D mesh of the ranks that receive rows, in the order of Note [Expert TP by
-            all-to-all]: rank ``q`` holds experts ``[(q // replicas) * e, ...)`` (``e = E * replicas
-            / P``) and hidden slice ``q % replicas``. ``None``: no exchange, all experts local.
-        replicas: ``etp``, the ranks that each hold a hidden slice of the same experts; every
-            row is sent to all of them and their partial outputs are summed in combine. ``1``
-            without expert tensor parallelism.
-        partial_mesh: 1-D mesh over which the expert outputs are partial sums because the
-            tokens were gathered, not replicated by the all-to-all (``ExpertTensorParallel(
-            dispatch="gather")``); :meth:`combine` then returns a ``Partial`` DTensor on it, so
-            that a missing reduction cannot go unnoticed. ``None``: a plain tensor.
-        pad_multiple: align each local expert's row group to this multiple.
-        score_before_experts: scale rows by their score before the experts.
-        overlap: compute the own rows without exchanging them, while the other rows'
-            outputs travel (Note [Own rows], default) where it applies; ``False``: always the
-            plain ``dispatch`` -> ``compute`` -> ``combine`` path with functional collectives.
-            Both give the same results (the parity tests run both); ``True`` is faster.
+    The ``mesh`` holds the ranks that receive rows, in the order of Note [Expert TP by
+    all-to-all]: rank ``q`` holds experts ``[(q // replicas) * e, ...)`` (``e = E * replicas /
+    P``) and hidden slice ``q % replicas``. ``overlap``: compute the own rows without exchanging
+    them, while the other rows' outputs travel (Note [Own rows], default) where it applies.
 
     Forward: ``all_to_all_single`` x 3 on ``mesh`` (counts, tokens, outputs); backward:
-    ``all_to_all_single`` x 2. No collective when ``mesh`` is ``None``. The first forward with
-    gradients enabled (every one under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) adds one
-    ``all_gather`` that checks that the ranks route different tokens (Note [Ranks with
-    identical tokens]).
+    ``all_to_all_single`` x 2. The first forward with gradients enabled (every one under
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) adds one ``all_gather`` that checks that the ranks
+    route different tokens (Note [Ranks with identical tokens] in ``exchange.py``).
     """
 
-    def __init__(
-        self,
-        *,
-        num_experts: int,
-        mesh: DeviceMesh | None,
-        replicas: int = 1,
-        partial_mesh: DeviceMesh | None = None,
-        pad_multiple: int = 1,
-        score_before_experts: bool = False,
-        overlap: bool = True,
-    ) -> None:
-        super().__init__(
-            num_experts=num_experts,
-            pad_multiple=pad_multiple,
-            score_before_experts=score_before_experts,
-        )
-        for name, m in (("mesh", mesh), ("partial_mesh", partial_mesh)):
-            if m is not None and m.ndim != 1:
-                raise ValueError(f"{name} must be a 1-D DeviceMesh, got a {m.ndim}-D mesh")
-        size = 1 if mesh is None else mesh.size()
-        if replicas < 1 or size % replicas != 0 or num_experts % (size // replicas) != 0:
+    name = "all_to_all"
+    hands_over_launches = True
+    static_capacity = True
+    features = FEATURES
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if self.mesh is None:
             raise ValueError(
-                f"AllToAllTokenDispatcher: the mesh of {size} ranks must hold whole groups of "
-                f"replicas={replicas} ranks, and num_experts={num_experts} must be divisible by "
-                f"the expert-parallel degree {size // max(replicas, 1)}"
+                "the 'all_to_all' exchange needs a mesh of the ranks that exchange rows; use "
+                "exchange='local' when every expert is on this rank"
             )
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be a bool, got {overlap!r}")
-        self.mesh = mesh
-        self.overlap = overlap
-        self.replicas = replicas
-        self.partial_mesh = partial_mesh
-        # Note [Ranks of a mesh, read once]
-        self.ranks: tuple[int, ...] = () if mesh is None else mesh_ranks(mesh)
-        self.partial_ranks: tuple[int, ...] = (
-            () if partial_mesh is None else mesh_ranks(partial_mesh)
-        )
-        self.rank: int = 0 if mesh is None else local_rank(mesh)
-        # Note [Ranks with identical tokens]: set once the first forward's check has passed.
-        self.tokens_checked = False
         # Sort key of each destination id ``q * e + j``: rank ``q``'s position in the send
         # order (this rank last, Note [Own rows]), then ``j``.
-        self._send_key: tuple[int, ...] = ()
-        if mesh is not None:
-            me, e = self.rank, num_experts // self.ep_size
-            position = [*range(me), *range(me + 1, size), me]
-            rank_position = [position.index(q) for q in range(size)]
-            self._send_key = tuple(rank_position[g // e] * e + g % e for g in range(size * e))
+        size, me, e = self.mesh.size(), self.rank, self.experts_per_rank
+        position = [*range(me), *range(me + 1, size), me]
+        rank_position = [position.index(q) for q in range(size)]
+        self._send_key = tuple(rank_position[g // e] * e + g % e for g in range(size * e))
 
-    @property
-    def ep_size(self) -> int:
-        """Ranks that hold different experts: the mesh size over ``replicas``."""
-        return 1 if self.mesh is None else self.mesh.size() // self.replicas
-
-    def _check_distinct_tokens(self, x_TD: torch.Tensor, capacity: Capacity | None = None) -> None:
-        """Note [Ranks with identical tokens]: raise on every rank if two ranks of the mesh
-        route the same tokens (or, with ``pad_to_capacity``, have different capacities: Note
-        [Static exchange at capacity]). Runs on the first forward with gradients enabled, and
-        on every one under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: one all-gather of three
-        numbers.
-
-        Under ``torch.compile`` (the static exchange at capacity traces) the check runs eagerly:
-        a graph break on the first forward only; the flag it sets then recompiles it away.
-        Compiled code does not read the debug level (no check per forward under DETAIL)."""
-        compiling = torch.compiler.is_compiling()
-        detail = not compiling and dist.get_debug_level() == dist.DebugLevel.DETAIL
-        if (self.tokens_checked and not detail) or not torch.is_grad_enabled():
-            return
-        if not compiling and _compat.in_pipeline_metadata_inference():
-            return  # torch's shape pass: no training data (uninitialised buffers after stage 0)
-        self._token_check(x_TD, capacity)
-
-    def _token_check(self, x_TD: torch.Tensor, capacity: Capacity | None) -> None:
-        """The check of :meth:`_check_distinct_tokens`, once it is due."""
-        x = x_TD.detach().reshape(-1).to(torch.float64)
-        # A position-weighted sum: equal for identical tokens, distinct otherwise but by a
-        # coincidence of measure zero. Ranks without tokens, or with all-zero tokens, prove
-        # nothing and are left out.
-        weights = torch.cos(torch.arange(x.numel(), device=x.device, dtype=torch.float64))
-        static_c = capacity.per_expert if capacity is not None and capacity.padded else -1
-        mine = torch.tensor([float(x_TD.shape[0]), 0.0, float(static_c)], dtype=torch.float64,
-                            device=x.device)
-        mine[1] = (x * weights).sum()
-        gathered = funcol.all_gather_single(mine, 0, self.mesh).view(-1, 3).tolist()
-        _check_equal_capacity([int(c) for _, _, c in gathered], self.mesh, self.ranks)
-        seen: dict[tuple[float, float], int] = {}
-        for position, (tokens, checksum, _) in enumerate(gathered):
-            if tokens == 0 or checksum == 0:
-                continue
-            first = seen.setdefault((tokens, checksum), position)
-            if first != position:
-                raise ValueError(
-                    f"expert parallelism over {self.mesh}: ranks {self.ranks[first]} and "
-                    f"{self.ranks[position]} route identical tokens ({int(tokens)} rows), so "
-                    "their expert gradients would be summed as if they were different data "
-                    "(too large by the number of such ranks). If they are the tp ranks of a "
-                    "tensor-parallel block, apply PrepareMoEInput(routing='split') to the MoE "
-                    "(parallelize_moe does), so that each routes its own share of the "
-                    "tokens; otherwise give the ranks different data"
-                )
-        self.tokens_checked = True
-
-    def dispatch(
+    def sort_and_send(
         self,
         x_TD: torch.Tensor,
-        topk_scores_TK: torch.Tensor,
+        scores_TK: torch.Tensor,
         topk_ids_TK: torch.Tensor,
         counts_E: torch.Tensor,
-        capacity: Capacity | None = None,
+        capacity: Capacity | None,
     ) -> Routed:
         """Sort the rows by destination and start sending them (Note [All-to-all dispatch]).
 
         With a ``capacity`` (Note [Expert capacity] in ``dtensor_moe/moe/capacity.py``), the
         dropped pairs are not sent; with ``pad_to_capacity`` the exchange is static (Note
         [Static exchange at capacity])."""
-        if self.mesh is None:
-            return super().dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
-        self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
-        self._check_distinct_tokens(x_TD, capacity)
-        ids_TX, scores_TX, counts_X = self._destinations(topk_scores_TK, topk_ids_TK, counts_E)
-        scores_TX = scores_TX.to(x_TD.dtype)
+        ids_TX, scores_TX, counts_X = self._destinations(scores_TK, topk_ids_TK, counts_E)
         if capacity is not None and capacity.padded:
             return self._dispatch_static(x_TD, ids_TX, scores_TX, counts_X, capacity)
-        group, me, e = self.mesh.get_group(), self.rank, self.num_experts // self.ep_size
+        group, me, e = self.mesh.get_group(), self.rank, self.experts_per_rank
         counts_in = torch.empty_like(counts_X)
         counts_work = dist.all_to_all_single(counts_in, counts_X, group=group, async_op=True)
         # Sort by destination rank (this rank's own block last), then local expert, then token;
@@ -471,10 +493,10 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             rows_ND = permute_tokens(x_TD, layout) * scores_N.unsqueeze(-1)
             return (scatter_start(ex, rows_ND)[0],), ex
         # each row with its weight in one buffer: one collective each way (Note [Packed rows])
-        if layout.row_N is None:  # gathered into it
-            packed_ND1 = permute_tokens(x_TD, layout, scores_N)
-        else:
+        if isinstance(layout, PaddedPairs):
             packed_ND1 = _with_column(permute_tokens(x_TD, layout), scores_N)
+        else:  # gathered into it
+            packed_ND1 = permute_tokens(x_TD, layout, scores_N)
         return (scatter_start(ex, packed_ND1)[0],), ex
 
     def _dispatch_static(
@@ -487,7 +509,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     ) -> Routed:
         """Note [Static exchange at capacity]: ``C`` rows per destination expert, equal
         splits (the own block included), no count exchange."""
-        P, e, C = self.mesh.size(), self.num_experts // self.ep_size, capacity.per_expert
+        P, e, C = self.mesh.size(), self.experts_per_rank, capacity.per_expert
         layout = sort_by_expert(ids_TX, counts_X, capacity=capacity)
         splits = [e * C] * P
         sending = self._start_sending(
@@ -496,10 +518,9 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         # The received (P, e, C) blocks, grouped by local expert: (e, P, C).
         dev = x_TD.device
         block_M = torch.arange(P * e * C, device=dev).view(P, e, C).transpose(0, 1).reshape(-1)
-        received = ExpertLayout(
+        received = SortedPairs(
             token_N=block_M,
             order_N=block_M,
-            row_N=None,
             row_TK=_inverse(block_M).view(-1, 1),
             counts_e=torch.full((e,), P * C, dtype=torch.int64, device=dev),
             num_rows=P * e * C,
@@ -522,11 +543,9 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             ),
         )
 
-    def receive(self, routed: Routed) -> Received | None:
+    def receive(self, routed: Routed) -> Received:
         """Wait for the rows and weights :meth:`dispatch` started sending."""
         ex = routed.exchange
-        if ex is None:
-            return None
         buffers, exchange = ex.sending
         (arrived,) = scatter_wait(exchange, *buffers)
         if self.score_before_experts:
@@ -534,45 +553,37 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         rows_RD, scores_R = _InExpertOrder.apply(arrived, ex.received)
         return Received(rows=rows_RD, scores=scores_R, layout=in_order(ex.received))
 
-    def send_back(self, out_RD: torch.Tensor, routed: Routed) -> torch.Tensor | None:
+    def send_back(self, out_RD: torch.Tensor, routed: Routed) -> torch.Tensor:
         """Start returning the received rows' outputs, back in arrival order."""
         ex = routed.exchange
-        if ex is None:
-            return None
         out_MD = unpermute_rows(out_RD, ex.received)
         return gather_start(ex.back, out_MD)[0]
 
-    def combine(
-        self, local_RD: torch.Tensor, routed: Routed, returning: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _combine(self, local_RD: torch.Tensor, routed: Routed, returning: Any) -> torch.Tensor:
         """Wait for the returned outputs, put the own rows' after them, and sum each token's
         rows (weighted already) into ``y_TD``."""
-        ex = routed.exchange
-        if ex is None and self.mesh is not None:  # before any exchange: the same on every rank
+        if not isinstance(routed.exchange, _InFlight):  # before any exchange: on every rank
             raise TypeError(
-                "AllToAllTokenDispatcher.combine needs the Routed that this dispatcher's "
-                "dispatch returned (it carries the exchange), got one without an exchange; pass "
-                "the Routed of the matching dispatch call (not that of another dispatcher)"
+                "AllToAllExchange.combine needs the Routed that this exchange's dispatch "
+                "returned (it carries the exchange), got one without an exchange; pass the "
+                "Routed of the matching dispatch call (not that of another exchange)"
             )
-        if ex is None:
-            return self._finish(super().combine(local_RD, routed))
         if returning is None:
             raise ValueError(
-                "AllToAllTokenDispatcher.combine needs what send_back returned for this "
-                "forward's dispatch (every rank must call dispatch, receive, send_back and "
-                "combine in that order)"
+                "AllToAllExchange.combine needs what send_back returned for this forward's "
+                "dispatch (every rank must call dispatch, receive, send_back and combine in "
+                "that order)"
             )
-        rows_ND = gather_wait(ex.back, returning, local_RD)[0]
-        y_TD = unpermute_and_reduce(
+        rows_ND = gather_wait(routed.exchange.back, returning, local_RD)[0]
+        return unpermute_and_reduce(
             rows_ND, routed.row_TK, None, order_N=routed.order_N, void_row=routed.void_row
         )
-        return self._finish(y_TD)
 
     def reads_host_sizes(self, capacity: Capacity | None = None) -> bool:
-        """With a mesh, every exchange: its sizes are read on the host, or (the static
-        exchange at capacity) it runs through the same eager exchange ops (Note [Expert
-        parallelism under torch.compile])."""
-        return self.mesh is not None or super().reads_host_sizes(capacity)
+        """Always: its sizes are read on the host, or (the static exchange at capacity) it
+        runs through the same eager exchange ops (Note [Expert parallelism under
+        torch.compile])."""
+        return True
 
     def _destinations(
         self, topk_scores_TK: torch.Tensor, topk_ids_TK: torch.Tensor, counts_E: torch.Tensor
@@ -580,21 +591,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         """Per-row destination ids ``q * e + j``, their scores and counts (replicas expanded)."""
         if self.replicas == 1:
             return topk_ids_TK, topk_scores_TK, counts_E
-        e = self.num_experts // self.ep_size
         ids_TX, counts_X = replicate_over_etp(
-            topk_ids_TK, counts_E, experts_per_rank=e, replicas=self.replicas
+            topk_ids_TK, counts_E, experts_per_rank=self.experts_per_rank, replicas=self.replicas
         )
         return ids_TX, topk_scores_TK.repeat_interleave(self.replicas, dim=1), counts_X
-
-    def _finish(self, y_TD: torch.Tensor) -> torch.Tensor:
-        if self.partial_mesh is None:
-            return y_TD
-        return DTensor.from_local(y_TD, self.partial_mesh, [Partial()], run_check=False)
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(num_experts={self.num_experts}, ep={self.ep_size}, "
-            f"replicas={self.replicas}, partial={self.partial_mesh is not None}, "
-            f"pad_multiple={self.pad_multiple}, score_before_experts={self.score_before_experts}, "
-            f"overlap={self.overlap})"
-        )

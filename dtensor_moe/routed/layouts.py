@@ -1,4 +1,4 @@
-"""Token dispatch and combine around the routed experts.
+"""The routed buffer: its layouts, and the row primitives every exchange and kernel uses.
 
 Shape legend:
     T  tokens routed by this rank
@@ -8,16 +8,14 @@ Shape legend:
     R  rows of the routed buffer, grouped by local expert, including alignment padding
     N  routed (token, expert) pairs, ``T * K``
 
-Note [Dispatcher steps]: dispatch is (1) :func:`sort_by_expert` (group the ``N`` (token,
-expert) pairs by expert, with alignment padding), (2) :func:`permute_tokens` (copy tokens into
-the routed buffer), (3) optionally :func:`scores_in_rows` (scale rows by their score). Combine is
-:func:`unpermute_and_reduce`, the one shared scoring + reduction tail. The base class issues no
-communication. An expert-parallel subclass overrides ``dispatch``/``combine`` and inserts its
-exchange between the steps: sort by global expert without padding, permute, scale, all-to-all
-(counts, then tokens), then sort the received rows by *local* expert with padding by calling
-:func:`sort_by_expert` again on ``(rows, 1)`` local ids, and the reverse in combine. Everything
-one forward needs goes into the frozen values the stages return (:class:`Routed`,
-:class:`Received`), never onto ``self``.
+Note [Dispatcher steps]: an exchange's dispatch is (1) :func:`sort_by_expert` (group the ``N``
+(token, expert) pairs by expert, with alignment padding), (2) :func:`permute_tokens` (copy
+tokens into the routed buffer), (3) optionally :func:`scores_in_rows` (each row's score). Its
+combine is :func:`unpermute_and_reduce`, the one shared reduction tail. A communicating
+exchange inserts its collectives between the steps (``routed/all_to_all.py``,
+``routed/all_gather.py``). A layout is one of four named variants (:class:`SortedPairs`,
+:class:`PaddedPairs`, :class:`PairSubset`, :class:`InOrder`), and every function here takes
+each one explicitly.
 
 Note [Deterministic combine]: outside a double backward, no step accumulates with atomics or
 ``index_add``. Forward gathers rows by index. The combine sums each token's ``K`` rows (the
@@ -37,21 +35,22 @@ same output bits.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
 
 from dtensor_moe import _compat
-from dtensor_moe.moe.capacity import Capacity
 
 __all__ = [
+    "Capacity",
     "ExpertLayout",
-    "Received",
-    "Routed",
-    "TokenDispatcher",
+    "InOrder",
+    "PaddedPairs",
+    "PairSubset",
+    "Rows",
+    "SortedPairs",
     "in_order",
     "permute_tokens",
     "scores_in_rows",
@@ -63,36 +62,84 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ExpertLayout:
-    """Where each (token, expert) pair lives in the routed buffer.
+class Rows:
+    """A routed buffer of ``num_rows`` rows grouped by local expert, ``counts_e`` rows each
+    (int64, padding included): what every layout says. The variants below say where the rows
+    come from; each function that reads a layout takes each variant explicitly."""
 
-    Attributes:
-        token_N: source token of each pair, in expert-sorted order.
-        order_N: flat ``t * K + k`` index of each pair, in expert-sorted order.
-        row_N: routed-buffer row of each sorted pair, or ``None`` when there is no padding
-            (then row ``n`` is pair ``n``).
-        row_TK: routed-buffer row of pair ``(t, k)``; the inverse of ``order_N``/``row_N``.
-        counts_e: rows per local expert, padding included (int64).
-        num_rows: ``R``, the routed-buffer length.
-        void_row: some pairs may be dropped for capacity (Note [Expert capacity] in
-            ``capacity.py``): their ``row_N``/``row_TK`` is ``R``, one past the buffer, a row
-            that reads as zeros and takes no gradient (Note [The void row]).
-        bag_offsets: set when the layout holds only some of each token's pairs (a
-            :func:`subset_layout`): then ``row_TK`` is 1-D, the rows of the pairs it holds in
-            token order, and token ``t``'s rows start at ``bag_offsets[t]``.
-
-    ``token_N`` and ``order_N`` are ``None`` in a layout of rows already in buffer order
-    (:func:`in_order`).
-    """
-
-    token_N: torch.Tensor | None
-    order_N: torch.Tensor | None
-    row_N: torch.Tensor | None
-    row_TK: torch.Tensor
     counts_e: torch.Tensor
     num_rows: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SortedPairs(Rows):
+    """The ``T * K`` (token, expert) pairs gathered from their tokens, one row each, in expert
+    order, no padding: row ``n`` is sorted pair ``n``.
+
+    Attributes:
+        token_N: source token of each sorted pair.
+        order_N: flat ``t * K + k`` index of each sorted pair.
+        row_TK: the row of pair ``(t, k)``: the inverse of ``order_N``.
+    """
+
+    token_N: torch.Tensor
+    order_N: torch.Tensor
+    row_TK: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PaddedPairs(SortedPairs):
+    """:class:`SortedPairs` in a buffer with alignment padding or dropped pairs.
+
+    Attributes:
+        row_N: the buffer row of each sorted pair.
+        void_row: some pairs may be dropped for capacity (Note [Expert capacity] in
+            ``capacity.py``): their ``row_N``/``row_TK`` is ``num_rows``, one past the buffer,
+            a row that reads as zeros and takes no gradient (Note [The void row]).
+    """
+
+    row_N: torch.Tensor
     void_row: bool = False
-    bag_offsets: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PairSubset(Rows):
+    """Sorted pairs ``[start, stop)`` as a buffer of their own, no padding
+    (:func:`subset_layout`): a token may have any number of its pairs here.
+
+    Attributes:
+        token_N, order_N: as for :class:`SortedPairs`, of the held pairs.
+        rows: the rows of the held pairs in token order (each token's in ``k`` order).
+        bag_offsets: where token ``t``'s rows start in ``rows``.
+    """
+
+    token_N: torch.Tensor
+    order_N: torch.Tensor
+    rows: torch.Tensor
+    bag_offsets: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InOrder(Rows):
+    """Rows already in buffer order (gathered by the caller, as an exchange's received rows):
+    :func:`permute_tokens` and :func:`scores_in_rows` take them as they are."""
+
+
+ExpertLayout: TypeAlias = SortedPairs | PaddedPairs | PairSubset | InOrder
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Capacity:
+    """The capacity of one forward, handed to the exchange with the routing (Note [Expert
+    capacity] in ``dtensor_moe/moe/capacity.py``).
+
+    Attributes:
+        per_expert: ``C``, the most pairs an expert takes.
+        padded: every expert's row group is exactly ``C`` rows (``pad_to_capacity``).
+    """
+
+    per_expert: int
+    padded: bool
 
 
 def _padding_shift(counts_E: torch.Tensor, pad_multiple: int) -> tuple[torch.Tensor, list[int]]:
@@ -112,7 +159,8 @@ def sort_by_expert(
     *,
     pad_multiple: int = 1,
     capacity: Capacity | None = None,
-) -> ExpertLayout:
+    elsewhere: bool = False,
+) -> SortedPairs | PaddedPairs:
     """Group the ``T * K`` (token, expert) pairs by expert, stably (token order within a group).
 
     With ``pad_multiple > 1`` each group starts at a multiple of ``pad_multiple`` rows; that
@@ -120,6 +168,8 @@ def sort_by_expert(
 
     With a ``capacity`` (Note [Expert capacity] in ``capacity.py``), ids ``>= counts_E.numel()``
     mark dropped pairs and ``counts_E`` counts the kept ones; see :func:`_capacity_rows`.
+    ``elsewhere``: such ids may occur without a capacity too (pairs computed on another rank,
+    ``all_gather.py``); they take the void row alike.
     """
     T, K = topk_ids_TK.shape
     ids_N = topk_ids_TK.reshape(-1)
@@ -127,9 +177,10 @@ def sort_by_expert(
     order_N = torch.argsort(ids_N, stable=True)
     token_N = torch.div(order_N, K, rounding_mode="floor")
     rank_N = torch.arange(N, device=ids_N.device)
-    if capacity is not None:
+    if capacity is not None or elsewhere:
+        static_C = capacity.per_expert if capacity is not None and capacity.padded else None
         row_N, counts_e, num_rows = _capacity_rows(
-            ids_N.index_select(0, order_N), counts_E, capacity, pad_multiple
+            ids_N.index_select(0, order_N), counts_E, static_C, pad_multiple
         )
         sorted_rows_N = row_N
     elif pad_multiple == 1:
@@ -140,34 +191,30 @@ def sort_by_expert(
         row_N = rank_N + shift_E[ids_N[order_N]]
         counts_e = torch.tensor(padded, dtype=torch.int64, device=counts_E.device)
         sorted_rows_N, num_rows = row_N, sum(padded)
-    row_flat = torch.empty_like(order_N).index_put_((order_N,), sorted_rows_N)
-    return ExpertLayout(
-        token_N=token_N,
-        order_N=order_N,
-        row_N=row_N,
-        row_TK=row_flat.view(T, K),
-        counts_e=counts_e,
-        num_rows=num_rows,
-        void_row=capacity is not None,
-    )
+    row_TK = torch.empty_like(order_N).index_put_((order_N,), sorted_rows_N).view(T, K)
+    pairs = {"token_N": token_N, "order_N": order_N, "row_TK": row_TK, "counts_e": counts_e,
+             "num_rows": num_rows}  # fmt: skip
+    if row_N is None:
+        return SortedPairs(**pairs)
+    return PaddedPairs(**pairs, row_N=row_N, void_row=capacity is not None or elsewhere)
 
 
 def _capacity_rows(
-    sorted_ids_N: torch.Tensor, counts_E: torch.Tensor, capacity: Capacity, pad_multiple: int
+    sorted_ids_N: torch.Tensor, counts_E: torch.Tensor, static_C: int | None, pad_multiple: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(row_N, counts_e, num_rows)`` of the expert-sorted pairs when some may be dropped.
 
     The kept pairs come first in expert order (a dropped pair's id is past every expert), and
     a kept pair's row is its group's start plus its place in the group; a dropped pair's row is
-    ``num_rows`` (Note [The void row]). ``capacity.padded``: every group is ``C`` rows, all
-    sizes static. Otherwise the groups hold the kept pairs (padded to ``pad_multiple``), and
-    the buffer length is read on the host.
+    ``num_rows`` (Note [The void row]). ``static_C``: every group is ``C`` rows
+    (``pad_to_capacity``), all sizes static. Otherwise the groups hold the kept pairs (padded
+    to ``pad_multiple``), and the buffer length is read on the host.
     """
     G = counts_E.numel()
     N, dev = sorted_ids_N.numel(), sorted_ids_N.device
     starts_E = torch.cumsum(counts_E, 0) - counts_E
-    if capacity.padded:
-        C = capacity.per_expert
+    if static_C is not None:
+        C = static_C
         counts_e = torch.full((G,), C, dtype=torch.int64, device=dev)
         num_rows = G * C
         group_starts_E = torch.arange(G, device=dev) * C
@@ -195,12 +242,33 @@ def _capacity_rows(
 # kept pairs, with static shapes.
 
 
+class PositionalFunction(torch.autograd.Function):
+    """Base of the routed path's autograd Functions that define ``setup_context`` (so that
+    ``torch.func`` transforms can run them); :meth:`run` applies one with positional arguments.
+
+    torch 2.13's ``Function.apply`` binds the arguments to ``forward``'s signature
+    (``inspect.signature(...).bind``, about 13 us a call on CPU) whenever ``setup_context`` is
+    defined, before calling the C ``apply``. With positional arguments and no defaults the
+    binding returns the arguments unchanged, so outside a ``torch.func`` transform and outside
+    ``torch.compile`` :meth:`run` calls the C ``apply`` (the next one in the method order)
+    directly; inside either, ``Function.apply`` runs as it is
+    (``tests/test_moe_dispatch.py::test_layer_step_binds_no_autograd_function_signature``).
+    """
+
+    @classmethod
+    def run(cls, *args: Any) -> Any:
+        """``cls.apply(*args)``, without the signature binding where it is not needed."""
+        if _compat.functorch_active() or torch.compiler.is_compiling():
+            return cls.apply(*args)
+        return super(torch.autograd.Function, cls).apply(*args)  # type: ignore[misc]
+
+
 def _with_void_row(t_RD: torch.Tensor) -> torch.Tensor:
     """``t_RD`` with a zero row appended: what row ``R`` reads (Note [The void row])."""
     return torch.cat((t_RD, t_RD.new_zeros(1, t_RD.shape[-1])))
 
 
-class _PermuteTokens(_compat.PositionalApply, torch.autograd.Function):
+class _PermuteTokens(PositionalFunction):
     """``routed_RD[row_N[n]] = x_TD[token_N[n]]`` (padding rows zero), deterministic backward."""
 
     @staticmethod
@@ -264,7 +332,7 @@ def subset_layout(
     start: int,
     stop: int,
     counts_e: torch.Tensor,
-) -> ExpertLayout:
+) -> PairSubset:
     """The layout of sorted pairs ``[start, stop)`` as their own buffer, no padding.
 
     ``token_N``/``order_N``: every pair's token and flat index in sorted order;
@@ -273,24 +341,22 @@ def subset_layout(
     """
     T = position_TK.shape[0]
     held_TK = (position_TK >= start) & (position_TK < stop)
-    rows = position_TK[held_TK] - start  # in (t, k) order: grouped by token
     lengths_T = held_TK.sum(1)
-    return ExpertLayout(
+    return PairSubset(
         token_N=token_N[start:stop],
         order_N=order_N[start:stop],
-        row_N=None,
-        row_TK=rows,
+        rows=position_TK[held_TK] - start,  # in (t, k) order: grouped by token
+        bag_offsets=(torch.cumsum(lengths_T, 0) - lengths_T).view(T),
         counts_e=counts_e,
         num_rows=stop - start,
-        bag_offsets=(torch.cumsum(lengths_T, 0) - lengths_T).view(T),
     )
 
 
-def in_order(layout: ExpertLayout) -> ExpertLayout:
+def in_order(layout: ExpertLayout) -> InOrder:
     """``layout`` for rows that are already in its buffer order (gathered by the caller, as the
     received rows of an exchange): :func:`permute_tokens` and :func:`scores_in_rows` take them
     as they are."""
-    return dataclasses.replace(layout, token_N=None, order_N=None, row_N=None)
+    return InOrder(counts_e=layout.counts_e, num_rows=layout.num_rows)
 
 
 def permute_tokens(
@@ -300,26 +366,30 @@ def permute_tokens(
 
     The backward gathers the ``K`` row gradients of each token and adds them in ``k`` order
     (see Note [Deterministic combine]); padding rows give no gradient. ``extra_N``: one value
-    per row, written as a last column (``(R, D + 1)``, one buffer); only for a layout without
-    padding (``row_N`` None). A layout :func:`in_order` returns ``x_TD`` itself.
+    per row, written as a last column (``(R, D + 1)``, one buffer); not for
+    :class:`PaddedPairs`. An :class:`InOrder` layout returns ``x_TD`` itself.
     """
-    if layout.token_N is None:
+    if isinstance(layout, InOrder):
         return x_TD
-    if extra_N is not None and layout.row_N is not None:
-        raise ValueError("permute_tokens: extra_N needs a layout without padding rows (row_N None)")
-    return _PermuteTokens.apply(
-        x_TD, layout.token_N, layout.row_N, layout.num_rows, layout.row_TK, layout.void_row,
-        layout.bag_offsets, extra_N,
-    )  # fmt: skip
+    if isinstance(layout, PairSubset):
+        return _PermuteTokens.run(x_TD, layout.token_N, None, layout.num_rows, layout.rows,
+                                    False, layout.bag_offsets, extra_N)  # fmt: skip
+    if isinstance(layout, PaddedPairs):
+        if extra_N is not None:
+            raise ValueError("permute_tokens: extra_N needs a layout without padding rows")
+        return _PermuteTokens.run(x_TD, layout.token_N, layout.row_N, layout.num_rows,
+                                    layout.row_TK, layout.void_row, None, None)  # fmt: skip
+    return _PermuteTokens.run(x_TD, layout.token_N, None, layout.num_rows, layout.row_TK,
+                                False, None, extra_N)  # fmt: skip
 
 
 def scores_in_rows(scores_TK: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """The score of each routed-buffer row (0 on padding rows), differentiable. A layout
-    :func:`in_order` takes the scores as they are."""
-    if layout.order_N is None:
+    """The score of each routed-buffer row (0 on padding rows), differentiable. An
+    :class:`InOrder` layout takes the scores as they are."""
+    if isinstance(layout, InOrder):
         return scores_TK.reshape(-1)
     scores_N = scores_TK.reshape(-1).index_select(0, layout.order_N)
-    if layout.row_N is None:
+    if not isinstance(layout, PaddedPairs):
         return scores_N
     void = int(layout.void_row)  # Note [The void row]
     rows = scores_N.new_zeros(layout.num_rows + void).index_copy(0, layout.row_N, scores_N)
@@ -350,11 +420,11 @@ class _UnpermuteRows(torch.autograd.Function):
         return grad_RD.index_copy_(0, index, grad_ND), None, None
 
 
-def unpermute_rows(out_RD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+def unpermute_rows(out_RD: torch.Tensor, layout: SortedPairs) -> torch.Tensor:
     """The rows of a one-pair-per-token ``layout`` (``K == 1``, as the received rows of an
     exchange) back in token order: ``out_MD[m] = out_RD[layout.row_TK[m, 0]]``; the inverse of
     :func:`permute_tokens` on that layout (padding rows dropped)."""
-    order = layout.order_N if layout.row_N is None else None
+    order = None if isinstance(layout, PaddedPairs) else layout.order_N
     return _UnpermuteRows.apply(out_RD, layout.row_TK.reshape(-1), order)
 
 
@@ -398,7 +468,7 @@ def combine_row_grads(
 # ``tests/test_parallel_styles.py``: against the per-token reference).
 
 
-class _SumRows(_compat.PositionalApply, torch.autograd.Function):
+class _SumRows(PositionalFunction):
     """``y_TD[t] = sum_k src_RD[row_TK[t, k]]`` in one pass (:func:`sum_rows`); backward gives
     each named row its token's gradient (:func:`combine_row_grads`), other rows zero."""
 
@@ -447,156 +517,6 @@ def unpermute_and_reduce(
         flat = scores_TK.reshape(-1).to(out_RD.dtype)
         scores_R = out_RD.new_zeros(R).index_put((row_TK.reshape(-1),), flat)
         out_RD = out_RD * scores_R.unsqueeze(-1)
-    return _SumRows.apply(out_RD, row_TK, order_N)
+    return _SumRows.run(out_RD, row_TK, order_N)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Routed:
-    """What :meth:`TokenDispatcher.dispatch` returns: the rows this rank computes itself, and
-    what :meth:`~TokenDispatcher.receive` and :meth:`~TokenDispatcher.combine` need.
-
-    Attributes:
-        source: ``x_TD``: the local rows are gathered from it.
-        scores: each pair's combine weight ``(T, X)`` in ``source``'s dtype (``X = K``, or
-            ``K * replicas`` under expert TP by all-to-all), or ``None``.
-        layout: the local rows (all of them without an exchange; this rank's own share under
-            expert parallelism), for :meth:`GroupedExperts.compute`.
-        row_TK: each pair's row among the rows combine sums (the local rows, or under expert
-            parallelism every pair's row in the send order).
-        order_N: the inverse of ``row_TK`` when it is a permutation, else ``None``.
-        void_row: ``row_TK`` may name one row past the end (Note [The void row]).
-        exchange: the state of a dispatcher's exchange (``None`` without one).
-    """
-
-    source: torch.Tensor
-    scores: torch.Tensor | None
-    layout: ExpertLayout
-    row_TK: torch.Tensor
-    order_N: torch.Tensor | None
-    void_row: bool = False
-    exchange: Any = None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Received:
-    """The rows other ranks sent here (:meth:`TokenDispatcher.receive`): ``rows``, their
-    ``scores`` and the ``layout`` that groups them by local expert, for
-    :meth:`GroupedExperts.compute`. ``rows`` is the layout's source: ``(M, D)`` in arrival order
-    (scores ``(M,)``), or already in the layout's buffer order, ``(R, D)`` and ``(R,)``, with a
-    layout :func:`in_order` (``AllToAllTokenDispatcher`` gathers them so)."""
-
-    rows: torch.Tensor
-    scores: torch.Tensor | None
-    layout: ExpertLayout
-
-
-class TokenDispatcher:
-    """Local (single-rank) dispatch and combine; the base class of parallel dispatchers.
-
-    Keyword Args:
-        num_experts: ``E``, routed experts in the whole layer.
-        pad_multiple: align each local expert's row group to this multiple (``1``: no padding).
-        score_before_experts: scale routed rows by their score before the experts instead of
-            their outputs after.
-
-    The stages, each called once per forward, in this order (``GroupedExperts.forward``)::
-
-        routed = dispatch(x_TD, scores, ids, counts)     # sort; start any exchange
-        received = receive(routed)                       # wait for it (None: no exchange)
-        returning = send_back(out_of_received, routed)   # start the way back (None: none)
-        y_TD = combine(out_of_local_rows, routed, returning)
-
-    A caller may put other work between any two of them. No collective runs here; a parallel
-    subclass adds its exchanges in these methods and keeps all per-forward state in the
-    returned (frozen) values, never on ``self``.
-    """
-
-    def __init__(
-        self, *, num_experts: int, pad_multiple: int = 1, score_before_experts: bool = False
-    ) -> None:
-        if num_experts < 1 or pad_multiple < 1:
-            raise ValueError(
-                f"TokenDispatcher needs num_experts >= 1 and pad_multiple >= 1, got "
-                f"num_experts={num_experts}, pad_multiple={pad_multiple}"
-            )
-        self.num_experts = num_experts
-        self.pad_multiple = pad_multiple
-        self.score_before_experts = score_before_experts
-
-    def dispatch(
-        self,
-        x_TD: torch.Tensor,
-        topk_scores_TK: torch.Tensor,
-        topk_ids_TK: torch.Tensor,
-        counts_E: torch.Tensor,
-        capacity: Capacity | None = None,
-    ) -> Routed:
-        """Group the (token, expert) pairs by expert (Note [Dispatcher steps]).
-
-        ``capacity``: some pairs may be dropped (id ``E``; Note [Expert capacity] in
-        ``capacity.py``), and ``counts_E`` counts the kept ones.
-        """
-        self._check_inputs(x_TD, topk_scores_TK, topk_ids_TK, counts_E)
-        layout = sort_by_expert(
-            topk_ids_TK, counts_E, pad_multiple=self.pad_multiple, capacity=capacity
-        )
-        return Routed(
-            source=x_TD,
-            scores=topk_scores_TK.to(x_TD.dtype),
-            layout=layout,
-            row_TK=layout.row_TK,
-            order_N=layout.order_N if layout.row_N is None else None,
-            void_row=layout.void_row,
-        )
-
-    def receive(self, routed: Routed) -> Received | None:
-        """The rows other ranks sent, once they are here; ``None``: this dispatcher sends none."""
-        return None
-
-    def send_back(self, out_RD: torch.Tensor, routed: Routed) -> Any:
-        """Start returning the expert outputs of :meth:`receive`'s rows; ``None`` here."""
-        return None
-
-    def combine(
-        self, local_RD: torch.Tensor, routed: Routed, returning: Any = None
-    ) -> torch.Tensor:
-        """Sum each token's expert outputs (already weighted by the scores) into ``y_TD``."""
-        return unpermute_and_reduce(
-            local_RD, routed.row_TK, None, order_N=routed.order_N, void_row=routed.void_row
-        )
-
-    def reads_host_sizes(self, capacity: Capacity | None = None) -> bool:
-        """Whether the stages read counts or exchange sizes on the host (so that under
-        ``torch.compile`` the layer runs them eagerly: Note [Eager islands under torch.compile]
-        in ``layer.py``). Here: ``pad_multiple > 1``, or a ``capacity`` without
-        ``pad_to_capacity``, whose row layouts follow host counts."""
-        return self.pad_multiple > 1 if capacity is None else not capacity.padded
-
-    def _check_inputs(
-        self,
-        x_TD: torch.Tensor,
-        topk_scores_TK: torch.Tensor,
-        topk_ids_TK: torch.Tensor,
-        counts_E: torch.Tensor,
-    ) -> None:
-        if x_TD.dim() != 2 or topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x_TD.shape[0]:
-            raise ValueError(
-                f"dispatch expects x_TD (T, D) and topk_ids_TK (T, K) with the same T, got "
-                f"{tuple(x_TD.shape)} and {tuple(topk_ids_TK.shape)}"
-            )
-        if topk_scores_TK.shape != topk_ids_TK.shape:
-            raise ValueError(
-                f"topk_scores_TK {tuple(topk_scores_TK.shape)} and topk_ids_TK "
-                f"{tuple(topk_ids_TK.shape)} must have the same shape"
-            )
-        if counts_E.shape != (self.num_experts,):
-            raise ValueError(
-                f"counts_E has shape {tuple(counts_E.shape)}, expected ({self.num_experts},) "
-                "(one count per routed expert)"
-            )
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(num_experts={self.num_experts}, "
-            f"pad_multiple={self.pad_multiple}, score_before_experts={self.score_before_experts})"
-        )

@@ -1,4 +1,4 @@
-"""Grouped SwiGLU experts (routed) and the shared-expert MLP.
+"""The routed experts' math: grouped SwiGLU on plain tensors, on every compute path.
 
 Shape legend:
     R  rows of the routed buffer, grouped by local expert (padding included)
@@ -15,23 +15,7 @@ Weight layout (``nn.Linear`` convention per expert, ``out x in``):
     Expert parallelism shards dim 0; expert tensor parallelism shards ``w1``/``w3`` on dim 1
     and ``w2`` on dim 2.
 
-Note [Grouped experts on local weights]: :func:`grouped_swiglu` is a pure function of plain
-tensors. The expert math reads the weights only through :meth:`GroupedExperts.local_weights`,
-once per forward (:meth:`GroupedExperts.forward` hands them to each :meth:`GroupedExperts.compute`
-call). No parallel style wraps ``compute``; DTensor weights become their local ``e`` experts
-inside ``local_weights`` (below).
-
-Note [Expert weights as DTensors]: a parallel style may turn ``w1``/``w2``/``w3`` into DTensors;
-:meth:`GroupedExperts.compute` then runs on their local shards (:func:`local_expert_weight`).
-The gradient placements are derived from the weight's own placements, never written per call:
-on a mesh dim where the weight is sharded (``Shard(0)`` over experts, ``Shard(1)``/``Shard(2)``
-over the hidden dim), the local gradient is the whole gradient of the local shard, because
-every routed row that uses the shard reaches it (through the dispatcher's exchange, or because
-the tokens are the same on every rank of that dim); so the gradient keeps the placement. On a
-mesh dim where the weight is ``Replicate``, the ranks route different tokens, so the local
-gradient is a partial sum over that dim: ``Partial``. A ``Partial`` weight is an error.
-
-Note [What the experts save for backward]: :meth:`GroupedExperts.compute` on the default
+Note [What the experts save for backward]: the two-step memory strategy (``experts.py``) on the
 ``grouped_mm`` path keeps the source of the rows (``x_TD``, which the router keeps anyway, or
 the rows an exchange received), the two pre-activations ``h1``/``h3`` and ``O(R)`` indices and
 scores, through torch's saved-tensor hooks and one fused op (Note [The routed SwiGLU in two
@@ -51,31 +35,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch import nn
-from torch.distributed.tensor import DTensor, Partial
 
 from dtensor_moe import _compat
-from dtensor_moe.moe.capacity import Capacity
-from dtensor_moe.moe.config import ComputePath, DeviceLike, autocast_off, factory_kwargs
-from dtensor_moe.moe.dispatch import (
-    ExpertLayout,
-    TokenDispatcher,
-    permute_tokens,
-    scores_in_rows,
-)
+from dtensor_moe.moe.config import ComputePath, autocast_off
+from dtensor_moe.routed.layouts import ExpertLayout, PositionalFunction, permute_tokens
 
-__all__ = [
-    "GroupedExperts",
-    "SharedExperts",
-    "grouped_swiglu",
-    "local_expert_weight",
-    "resolve_compute_path",
-]
+__all__ = ["grouped_swiglu", "resolve_compute_path", "swiglu_down"]
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class _ContiguousGrad(_compat.PositionalApply, torch.autograd.Function):
+class _ContiguousGrad(PositionalFunction):
     """Identity whose backward makes the incoming gradient contiguous.
 
     Note [grouped_mm expanded grad]: in torch 2.13 the backward of ``torch._grouped_mm``
@@ -151,7 +121,7 @@ def _grouped_mm(x_RI: torch.Tensor, w_eOI: torch.Tensor, offs_e: torch.Tensor) -
     Note [grouped_mm under torch.compile]."""
     if torch.compiler.is_compiling():
         return _grouped_mm_op(x_RI, w_eOI, offs_e)
-    return _ContiguousGrad.apply(torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e))
+    return _ContiguousGrad.run(torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e))
 
 
 # Note [Routed experts under autocast]
@@ -493,10 +463,13 @@ def grouped_swiglu(
         return _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path)
 
 
-def _swiglu_on_path(x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path, scores_R=None) -> torch.Tensor:
+def _swiglu_on_path(
+    x_RD, w1_eHD, w2_eDH, w3_eHD, counts_e, path, scores_R=None, counts=None
+) -> torch.Tensor:
     """:func:`grouped_swiglu` after its checks: resolve the path and run it. ``scores_R``: each
-    row's combine weight, applied where :func:`swiglu_down` applies it (:func:`_weighted_down`)."""
-    counts = _host_counts(counts_e, path)
+    row's combine weight, applied where :func:`swiglu_down` applies it (:func:`_weighted_down`).
+    ``counts``: ``counts_e`` as host ints, when the caller has read them already."""
+    counts = _host_counts(counts_e, path) if counts is None else counts
     chosen = resolve_compute_path(path, x_RD, w1_eHD, counts)
     if chosen != "grouped_mm" and counts is None:
         counts = counts_e.tolist()
@@ -523,302 +496,3 @@ def _host_counts(counts_e: torch.Tensor | Sequence[int], path: ComputePath) -> l
     ):
         return None
     return counts_e.tolist()
-
-
-def local_expert_weight(w: torch.Tensor) -> torch.Tensor:
-    """``w`` itself, or the local shard of a DTensor ``w`` with derived gradient placements.
-
-    See Note [Expert weights as DTensors]. No collective runs in forward or in backward.
-    """
-    if not isinstance(w, DTensor):
-        return w
-    _check_not_partial(w)
-    return w.to_local(grad_placements=list(_grad_placements(w)))
-
-
-def _check_not_partial(w: DTensor) -> None:
-    if any(p.is_partial() for p in w.placements):
-        raise ValueError(
-            f"routed expert weights must be Shard or Replicate DTensors, got {w.placements}; "
-            "redistribute the weight or re-apply the parallel style"
-        )
-
-
-def _grad_placements(w: DTensor) -> tuple:
-    """See Note [Expert weights as DTensors]: ``Replicate`` dims give ``Partial`` gradients."""
-    return tuple(Partial() if p.is_replicate() else p for p in w.placements)
-
-
-class GroupedExperts(nn.Module):
-    """Routed SwiGLU experts with stacked weights and the token dispatcher that feeds them.
-
-    Keyword Args:
-        dim: ``D``.
-        hidden_dim: ``H`` of each expert.
-        num_experts: ``E``.
-        compute_path: see :func:`grouped_swiglu`.
-        recompute_experts: keep only the experts' input for backward and recompute the rest
-            there (Note [What the experts save for backward]).
-        fused_routed_step: on the ``grouped_mm`` path, keep less for backward (Note [The
-            routed SwiGLU in two steps]); ``False``: plain autograd, which also supports a
-            second backward. Both give the same outputs and gradients up to float rounding.
-        dispatcher: a :class:`TokenDispatcher` (default: local, no padding, scores in combine).
-            Parallel styles replace it with a communicating subclass.
-        init_std: std of the normal weight initialisation.
-        device, dtype: where and in which floating dtype the weights are made (torch's factory
-            arguments; ``None``: torch's defaults).
-
-    Forward: ``(x_TD, topk_scores_TK, topk_ids_TK, counts_E) -> y_TD``. The collectives are
-    the dispatcher's; this module adds none.
-    """
-
-    def __init__(
-        self,
-        *,
-        dim: int,
-        hidden_dim: int,
-        num_experts: int,
-        compute_path: ComputePath = "auto",
-        dispatcher: TokenDispatcher | None = None,
-        init_std: float = 0.02,
-        recompute_experts: bool = False,
-        fused_routed_step: bool = True,
-        device: DeviceLike = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        factory = factory_kwargs(device, dtype)
-        if not isinstance(recompute_experts, bool):
-            raise TypeError(f"recompute_experts must be a bool, got {recompute_experts!r}")
-        if not isinstance(fused_routed_step, bool):
-            raise TypeError(f"fused_routed_step must be a bool, got {fused_routed_step!r}")
-        self.compute_path = compute_path
-        self.recompute_experts = recompute_experts
-        self.fused_routed_step = fused_routed_step
-        self.init_std = init_std
-        self.dispatcher = (
-            dispatcher if dispatcher is not None else TokenDispatcher(num_experts=num_experts)
-        )
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        for w in (self.w1, self.w2, self.w3):
-            nn.init.normal_(w, std=self.init_std)
-
-    def forward(
-        self,
-        x_TD: torch.Tensor,
-        topk_scores_TK: torch.Tensor,
-        topk_ids_TK: torch.Tensor,
-        counts_E: torch.Tensor,
-        capacity: Capacity | None = None,
-    ) -> torch.Tensor:
-        """Dispatch, expert compute, combine: the routed path of every layout, read here.
-
-        Under expert parallelism the dispatcher's stages are start/wait pairs of exchanges
-        (Note [Exchanges as autograd pairs] in ``dtensor_moe/parallel/exchange.py``); the rows
-        this rank routes to its own experts are computed while their outputs travel back, and
-        autograd's order runs their backward while the output gradients travel.
-        """
-        if x_TD.dtype != self.w1.dtype:  # after this module's own hooks (an FSDP unit's cast)
-            raise ValueError(
-                f"the routed experts got input of dtype={x_TD.dtype} but their weights are "
-                f"{self.w1.dtype}; cast the input or the layer so that they match (for "
-                "example moe.to(torch.bfloat16)). torch.autocast does not apply to the routed "
-                "experts: they run in the weights' dtype, and need an input of it"
-            )
-        dispatcher = self.dispatcher
-        with autocast_off(x_TD):  # Note [Routed experts under autocast]
-            routed = dispatcher.dispatch(x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
-            weights = self.local_weights()
-            # the local rows' up projections run while the other rows travel (EP), ...
-            local = self.project(routed.source, routed.layout, weights)
-            received = dispatcher.receive(routed)  # None: no exchange
-            returning = None
-            if received is not None:
-                out_MD = self.compute(received.rows, received.scores, received.layout, weights,
-                                      keep_rows=True)  # nothing else keeps the received rows
-                returning = dispatcher.send_back(out_MD, routed)
-            # ... and their down projection while the outputs travel back
-            local_RD = self.finish(local, routed.source, routed.scores, routed.layout, weights)
-            return dispatcher.combine(local_RD, routed, returning)
-
-    def runs_eagerly_under_compile(
-        self, x_TD: torch.Tensor, capacity: Capacity | None = None
-    ) -> bool:
-        """Whether :meth:`forward` reads counts or exchange sizes on the host, so that an
-        :class:`~dtensor_moe.moe.MoE` under ``torch.compile`` calls it eagerly, as its one island
-        (Note [Eager islands under torch.compile] in ``layer.py``): the dispatcher's layout says
-        so (an exchange, ``pad_multiple > 1``, a capacity without padding), or the compute path
-        is ``loop``/``bmm`` (forced, or ``auto`` where ``torch._grouped_mm`` does not take the
-        dtype or the row alignment)."""
-        if self.dispatcher.reads_host_sizes(capacity):
-            return True
-        grouped = self.compute_path in ("auto", "grouped_mm")
-        return not (grouped and _grouped_mm_supported(x_TD, local_expert_weight(self.w1)))
-
-    def compute(
-        self,
-        source_SD: torch.Tensor,
-        scores: torch.Tensor | None,
-        layout: ExpertLayout,
-        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        *,
-        keep_rows: bool = False,
-    ) -> torch.Tensor:
-        """The expert rows of ``layout``, gathered from ``source_SD``, through their experts:
-        ``out_RD``, in the layout's row order (padding rows zero).
-
-        ``scores``: each pair's combine weight (indexed by ``layout.order_N``; in row order
-        for a layout :func:`~dtensor_moe.moe.dispatch.in_order`), applied inside the experts to
-        the narrower side of the down projection (:func:`_weighted_down`), or before the
-        experts with ``score_before_experts``; ``None``: unscaled.
-        ``weights``: :meth:`local_weights`, when the caller has them. ``keep_rows``: keep the
-        gathered rows for backward rather than gather them again (when nothing else keeps the
-        source). What is kept for backward: Note [The routed SwiGLU in two steps]. It is
-        :meth:`project` then :meth:`finish`, which a caller may run apart. No collective.
-        """
-        weights = self.local_weights() if weights is None else weights
-        started = self.project(source_SD, layout, weights, keep_rows=keep_rows)
-        return self.finish(started, source_SD, scores, layout, weights)
-
-    def project(
-        self,
-        source_SD: torch.Tensor,
-        layout: ExpertLayout,
-        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        *,
-        keep_rows: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Step 1 of Note [The routed SwiGLU in two steps] on the default path: the up
-        projections ``(h1, h3, offs)``, or ``None`` where :meth:`finish` runs it all."""
-        w1, _, w3 = weights
-        if layout.num_rows == 0 or self.dispatcher.score_before_experts:
-            return None
-        if self.recompute_experts or not self.fused_routed_step or not torch.is_grad_enabled():
-            return None
-        if _compat.functorch_active() or self._path(source_SD, w1, layout.counts_e) != "grouped_mm":
-            return None
-        offs_e = _group_ends(layout.counts_e.to(source_SD.device))
-        regather = not keep_rows and not torch.compiler.is_compiling()  # compiled: the
-        h1_RH, h3_RH = _project_up(source_SD, layout, w1, w3, offs_e, regather)  # partitioner's
-        return h1_RH, h3_RH, offs_e
-
-    def finish(
-        self,
-        started: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-        source_SD: torch.Tensor,
-        scores: torch.Tensor | None,
-        layout: ExpertLayout,
-        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        """Step 2 of Note [The routed SwiGLU in two steps] on what :meth:`project` returned, or
-        the whole expert math on the other paths."""
-        w1, w2, w3 = weights
-        scores_R = None if scores is None else scores_in_rows(scores, layout)
-        if started is not None:
-            h1_RH, h3_RH, offs_e = started
-            return swiglu_down(h1_RH, h3_RH, w2, offs_e, scores_R)
-        if layout.num_rows == 0:  # no rows here (no tokens, or all sent away): zero rows,
-            # still in the graph of the source, the scores and the weights, as on every rank
-            out_RD = permute_tokens(source_SD, layout)
-            if scores_R is not None:
-                out_RD = out_RD * scores_R.unsqueeze(-1)
-            return out_RD + 0 * (w1.sum() + w2.sum() + w3.sum())
-        first = self.dispatcher.score_before_experts
-        path = self._path(source_SD, w1, layout.counts_e)
-        grad = torch.is_grad_enabled() and not _compat.functorch_active()
-        if path == "grouped_mm" and not first and self.fused_routed_step and grad:
-            offs_e = _group_ends(layout.counts_e.to(source_SD.device))  # recompute_experts
-            return torch.utils.checkpoint.checkpoint(
-                _routed_swiglu, source_SD, layout, w1, w2, w3, offs_e, scores_R,
-                use_reentrant=False,
-            )  # fmt: skip
-        rows_RD = permute_tokens(source_SD, layout)
-        if first and scores_R is not None:
-            rows_RD = rows_RD * scores_R.unsqueeze(-1)
-        scores_R = None if first else scores_R  # else at the down projection, as swiglu_down
-        if self.recompute_experts and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            return torch.utils.checkpoint.checkpoint(
-                _swiglu_on_path, rows_RD, w1, w2, w3, layout.counts_e, path, scores_R,
-                use_reentrant=False,
-            )  # fmt: skip
-        return _swiglu_on_path(rows_RD, w1, w2, w3, layout.counts_e, path, scores_R)
-
-    def _path(self, rows: torch.Tensor, w1_eHD: torch.Tensor, counts_e: torch.Tensor) -> str:
-        """The compute path for these rows and counts: the one decision that depends on the
-        data (``auto`` takes ``bmm`` for equal host counts)."""
-        if w1_eHD.shape[0] != counts_e.numel():
-            raise ValueError(
-                f"counts_e has {counts_e.numel()} entries but the weights hold "
-                f"{w1_eHD.shape[0]} experts"
-            )
-        counts = _host_counts(counts_e, self.compute_path)
-        return resolve_compute_path(self.compute_path, rows, w1_eHD, counts)
-
-    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(w1, w2, w3)`` as plain tensors: the local shards of DTensor weights.
-
-        A dispatcher that computes several row chunks (to overlap them with communication) calls
-        this once and :func:`grouped_swiglu` per chunk. See Note [Expert weights as DTensors].
-        """
-        ws = (self.w1, self.w2, self.w3)
-        if all(isinstance(w, DTensor) for w in ws):
-            for w in ws:
-                _check_not_partial(w)
-            return _compat.local_views(ws, tuple(_grad_placements(w) for w in ws))
-        w1, w2, w3 = (local_expert_weight(w) for w in ws)
-        return w1, w2, w3
-
-    def extra_repr(self) -> str:
-        E, H, D = self.w1.shape
-        return (
-            f"num_experts={E}, dim={D}, hidden_dim={H}, compute_path={self.compute_path!r}, "
-            f"recompute_experts={self.recompute_experts}, "
-            f"fused_routed_step={self.fused_routed_step}, dispatcher={self.dispatcher!r}"
-        )
-
-
-class SharedExperts(nn.Module):
-    """Always-on SwiGLU MLP: ``n`` shared experts of hidden ``h`` fused into one of ``n * h``.
-
-    Fusing is exact: the sum of ``n`` SwiGLU experts equals one SwiGLU whose hidden units are
-    their concatenation. With ``gated=True`` (``MoEConfig.shared_expert_gate``) the output is
-    scaled per token by ``sigmoid(x @ gate.weight.T)``, ``gate`` an ``nn.Linear(dim, 1)`` without
-    bias (Qwen2-MoE). No collective runs here. ``x_TD`` may have any leading shape
-    ``(..., dim)``. ``device`` and ``dtype`` are torch's factory arguments for the weights.
-    """
-
-    def __init__(
-        self,
-        *,
-        dim: int,
-        hidden_dim: int,
-        init_std: float = 0.02,
-        gated: bool = False,
-        device: DeviceLike = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        factory = factory_kwargs(device, dtype)
-        self.init_std = init_std
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False, **factory)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False, **factory)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False, **factory)
-        self.gate = nn.Linear(dim, 1, bias=False, **factory) if gated else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        for lin in (self.w1, self.w2, self.w3, self.gate):
-            if lin is not None:
-                nn.init.normal_(lin.weight, std=self.init_std)
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """``(silu(x @ w1.T) * (x @ w3.T)) @ w2.T``, times ``sigmoid(x @ gate.T)`` when gated,
-        through the ``w1``/``w2``/``w3``/``gate`` modules, so that their hooks and adapter swaps
-        apply (Note [One forward] in ``tokens.py``)."""
-        y_TD = self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
-        return y_TD if self.gate is None else torch.sigmoid(self.gate(x_TD)) * y_TD

@@ -29,6 +29,7 @@ from dtensor_moe.moe.experts import (
 )
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.moe.losses import global_aux_loss_from_sums, router_losses, z_loss
+from dtensor_moe.moe.protocol import Router, RouterLossSettings
 from dtensor_moe.moe.router import (
     RouterOutput,
     TokenChoiceTopKRouter,
@@ -49,6 +50,8 @@ __all__ = [
     "LayerLoad",
     "MoE",
     "MoEConfig",
+    "Router",
+    "RouterLossSettings",
     "RouterOutput",
     "SharedExperts",
     "TokenChoiceTopKRouter",

@@ -8,8 +8,9 @@ bias and no router losses (Note [Router protocol] in ``dtensor_moe/moe/protocol.
 * One process: the layer runs it; the protocol's errors (a router lacking members, a wrong
   expert count, a bias without a counter); ``load_stats`` and ``update_expert_bias`` leave it
   out beside a counting router and raise, naming it, when no router of the model counts.
-* 4 gloo ranks: the same layer under expert parallelism (EP4 over the data ranks) and under
-  sequence parallelism with EP borrowing the tp ranks (SP2 x EP2), and a 4-layer model under
+* 4 gloo ranks: the same layer under expert parallelism (EP4 over the data ranks), under
+  sequence parallelism with EP borrowing the tp ranks (SP2 x EP2) and under EP2 x expert TP2
+  with gathered tokens (each tp rank counts its own slice), and a 4-layer model under
   a pipeline schedule (pp2 x dp2 with EP2 in each stage, built with ``split_stage`` and
   ``build_stage``): 3 fused AdamW steps each, against the same model in one process at 1e-5
   relative (fp32): the output (the losses under the pipeline), the input gradient, every
@@ -236,7 +237,10 @@ class RouterPluginParallelTest(DistTestBase):
         meshes = build_moe_meshes(**layout.meshes, device_type="cpu")
         ref = hash_moe()
         model = parallelize_moe(copy.deepcopy(ref), meshes,
-                                sequence_parallel=layout.sequence_parallel)
+                                sequence_parallel=layout.sequence_parallel,
+                                expert_tp_dispatch=layout.expert_tp_dispatch)
+        if layout.expert_tp_dispatch == "gather":
+            self.assertEqual(model.token_parallel.routing, "replicate")
         self.assertEqual(model.router.stage_ranks, tuple(range(self.world_size)))
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
@@ -279,6 +283,12 @@ class RouterPluginParallelTest(DistTestBase):
     @with_comms
     def test_sequence_parallel_with_expert_parallel(self):
         self._train_layer("sp2ep2")
+
+    @with_comms
+    def test_expert_tensor_parallel_gathered_tokens(self):
+        # EP2 x expert TP2 with SP input; every tp rank routes the gathered tokens and counts
+        # its own slice (RoutedTokens.owned)
+        self._train_layer("ep2tp2_gather")
 
     @with_comms
     def test_pipeline_with_expert_parallel(self):

@@ -369,12 +369,12 @@ def _biased_routers(module: nn.Module, *, stage_may_lack: bool) -> list[Router]:
     routers = [r for r in all_routers if r.expert_bias is not None]
     if not routers and not stage_may_lack:
         unbiased = sorted({type(r).__name__ for r in all_routers})
-        held = f" (its routers, {', '.join(unbiased)}, hold none)" if unbiased else ""
+        held = f". Its routers ({', '.join(unbiased)}) hold none" if unbiased else ""
         raise ValueError(
-            f"update_expert_bias found no router with an expert bias in {type(module).__name__}"
-            f"{held}; build the MoE layers with MoEConfig(use_expert_bias=True). For a pipeline "
-            "stage that holds no MoE layer, pass meshes=build_moe_meshes(pp=...) (then it does "
-            "nothing)"
+            f"update_expert_bias found no router with an expert bias in {type(module).__name__}; "
+            "build the MoE layers with MoEConfig(use_expert_bias=True). For a pipeline stage "
+            f"that holds no MoE layer, pass meshes=build_moe_meshes(pp=...) (then it does "
+            f"nothing){held}"
         )
     return routers
 

@@ -82,7 +82,7 @@ Note [A router knows its stage]
 The meshes of a module's DTensor params do not say where the pipeline stages are: a param on a
 1-D ``"ep"`` slice lives on a few ranks of the stage while plain replicas of it live on the
 others, and public ``DeviceMesh`` API does not lead from a slice to its root mesh. So
-:func:`~dtensor_moe.parallelize_moe`, which has the stage's meshes, records them on
+:func:`parallelize_moe`, which has the stage's meshes, records them on
 every router of the model it parallelizes (at any ``pp``): ``router.stage_ranks`` (the stage's
 global ranks, every rank when ``pp == 1``) and ``router.pp_rank``. The helpers that take a
 process group, :func:`update_expert_bias`, :func:`~dtensor_moe.moe.load_stats` (its default

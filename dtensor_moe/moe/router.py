@@ -383,7 +383,7 @@ class TokenChoiceTopKRouter(nn.Module):
             :func:`set_router_loss_scale`.
         stage_ranks: the global ranks of the pipeline stage that holds this router (every rank
             without pipeline parallelism), or ``None``. Recorded by
-            :func:`~dtensor_moe.parallelize_moe` from its meshes, and read by the
+            :func:`parallelize_moe` from its meshes, and read by the
             helpers that take a process group (Note [A router knows its stage] in
             ``balance.py``).
         pp_rank: the index of that stage (``None`` with ``stage_ranks``).

@@ -71,7 +71,7 @@ def test_counts_match_selections_and_reset():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match=r"load_stats found no TokenChoiceTopKRouter in Linear"):
+    with pytest.raises(ValueError, match=r"load_stats found no MoE router in Linear; pass the "):
         load_stats(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"process_group='all' is not 'world', 'local' or a"):
         load_stats(make_moe(), process_group="all")

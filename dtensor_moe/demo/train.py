@@ -51,7 +51,8 @@ import dtensor_moe
 from dtensor_moe.demo.config import DemoConfig
 from dtensor_moe.demo.data import MarkovChain
 from dtensor_moe.demo.model import ModelConfig, MoETransformer
-from dtensor_moe.moe import LayerLoad, TokenChoiceTopKRouter, load_stats, update_expert_bias
+from dtensor_moe.moe import LayerLoad, Router, load_stats, update_expert_bias
+from dtensor_moe.moe.protocol import is_router
 from dtensor_moe import collect_aux_losses
 
 if TYPE_CHECKING:
@@ -119,8 +120,8 @@ def optimizer_line(config: DemoConfig) -> str:
     )
 
 
-def _routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:
-    return [m for m in model.modules() if isinstance(m, TokenChoiceTopKRouter)]
+def _routers(model: nn.Module) -> list[Router]:
+    return [m for m in model.modules() if is_router(m)]
 
 
 def _load(

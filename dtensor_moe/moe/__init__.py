@@ -12,6 +12,7 @@ from dtensor_moe.moe.balance import (
 from dtensor_moe.moe.config import MoEConfig
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.moe.losses import global_aux_loss_from_sums, router_losses, z_loss
+from dtensor_moe.moe.protocol import Router, RouterLossSettings
 from dtensor_moe.moe.shared import SharedExperts
 from dtensor_moe.moe.router import (
     RouterOutput,
@@ -29,6 +30,8 @@ __all__ = [
     "LayerLoad",
     "MoE",
     "MoEConfig",
+    "Router",
+    "RouterLossSettings",
     "RouterOutput",
     "SharedExperts",
     "TokenChoiceTopKRouter",

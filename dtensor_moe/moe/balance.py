@@ -82,7 +82,7 @@ Note [A router knows its stage]
 The meshes of a module's DTensor params do not say where the pipeline stages are: a param on a
 1-D ``"ep"`` slice lives on a few ranks of the stage while plain replicas of it live on the
 others, and public ``DeviceMesh`` API does not lead from a slice to its root mesh. So
-:func:`~dtensor_moe.parallel.parallelize_moe`, which has the stage's meshes, records them on
+:func:`parallelize_moe`, which has the stage's meshes, records them on
 every router of the model it parallelizes (at any ``pp``): ``router.stage_ranks`` (the stage's
 global ranks, every rank when ``pp == 1``) and ``router.pp_rank``. The helpers that take a
 process group, :func:`update_expert_bias`, :func:`~dtensor_moe.moe.load_stats` (its default
@@ -116,7 +116,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,10 +125,8 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.config import AuxLossMode
-from dtensor_moe.moe.router import TokenChoiceTopKRouter, bias_dtype
-
-if TYPE_CHECKING:
-    from dtensor_moe.parallel.mesh import MoEMeshes
+from dtensor_moe.moe.protocol import Router, StageMeshes, is_router, require_stage_meshes
+from dtensor_moe.moe.router import bias_dtype
 
 __all__ = [
     "AuxLossBackward",
@@ -345,7 +343,7 @@ def attach_aux_loss(
 
 
 def check_group_in_stage(
-    routers: list[TokenChoiceTopKRouter], group: dist.ProcessGroup | None, caller: str, fix: str
+    routers: list[Router], group: dist.ProcessGroup | None, caller: str, fix: str
 ) -> None:
     """Raise ``ValueError`` when ``group`` holds a rank outside the pipeline stage recorded on
     one of ``routers`` (Note [A router knows its stage]). Local: no collective."""
@@ -364,17 +362,19 @@ def check_group_in_stage(
             )
 
 
-def _biased_routers(module: nn.Module, *, stage_may_lack: bool) -> list[TokenChoiceTopKRouter]:
-    routers = [
-        m
-        for m in module.modules()
-        if isinstance(m, TokenChoiceTopKRouter) and m.expert_bias is not None
-    ]
+def _biased_routers(module: nn.Module, *, stage_may_lack: bool) -> list[Router]:
+    """The routers of ``module`` that hold an expert bias (Note [Router protocol] in
+    ``protocol.py``: routers without one are left out)."""
+    all_routers = [m for m in module.modules() if is_router(m)]
+    routers = [r for r in all_routers if r.expert_bias is not None]
     if not routers and not stage_may_lack:
+        unbiased = sorted({type(r).__name__ for r in all_routers})
+        held = f". Its routers ({', '.join(unbiased)}) hold none" if unbiased else ""
         raise ValueError(
             f"update_expert_bias found no router with an expert bias in {type(module).__name__}; "
             "build the MoE layers with MoEConfig(use_expert_bias=True). For a pipeline stage "
-            "that holds no MoE layer, pass meshes=build_moe_meshes(pp=...) (then it does nothing)"
+            f"that holds no MoE layer, pass meshes=build_moe_meshes(pp=...) (then it does "
+            f"nothing){held}"
         )
     return routers
 
@@ -390,7 +390,7 @@ def _check_rate(rate: float) -> None:
         )
 
 
-def _check_step(module: nn.Module, rate: float, routers: list[TokenChoiceTopKRouter]) -> None:
+def _check_step(module: nn.Module, rate: float, routers: list[Router]) -> None:
     """No bias can leave its dtype's finite range in one step (a step moves an entry by at
     most ``2 * rate``). Local: no collective."""
     names = {id(m): name for name, m in module.named_modules()}
@@ -413,9 +413,7 @@ def _counter_group(
     """The group the counters are summed over, checked locally (no collective); Note
     [Counters under pipeline parallelism]."""
     if meshes is not None:
-        from dtensor_moe.parallel.mesh import require_meshes  # the parallel package imports moe
-
-        require_meshes(meshes, "update_expert_bias")
+        require_stage_meshes(meshes, "update_expert_bias")
     if process_group is None:
         return None if meshes is None else meshes.stage_group
     if meshes is None:  # checked against the routers' record: Note [A router knows its stage]
@@ -431,9 +429,7 @@ def _counter_group(
     return process_group
 
 
-def _agree_model_has_bias(
-    module: nn.Module, routers: list[TokenChoiceTopKRouter], meshes: MoEMeshes
-) -> None:
+def _agree_model_has_bias(module: nn.Module, routers: list[Router], meshes: StageMeshes) -> None:
     """Note [A model without a biased router]: one ``all_reduce`` over ``meshes.pp_mesh`` on the
     first call for ``module``, none afterwards; ``ValueError`` on every rank when no stage
     holds a biased router."""
@@ -457,7 +453,7 @@ def update_expert_bias(
     rate: float,
     *,
     process_group: dist.ProcessGroup | None = None,
-    meshes: MoEMeshes | None = None,
+    meshes: StageMeshes | None = None,
 ) -> None:
     """Auxiliary-loss-free balancing step for every biased router in ``module``.
 
@@ -477,7 +473,7 @@ def update_expert_bias(
             knows its stage]). Without it (and without ``meshes``), a ``module`` with DTensor
             params in a multi-rank run gets a one-time ``UserWarning``: ranks that route
             different tokens would update their biases apart.
-        meshes: the :class:`~dtensor_moe.parallel.MoEMeshes` of this rank (of its pipeline
+        meshes: the :class:`~dtensor_moe.MoEMeshes` of this rank (of its pipeline
             stage under pipeline parallelism, with ``module`` the stage's module, or an
             ``nn.ModuleList`` of a rank's stage modules). Without ``process_group``, the
             counters are summed over ``meshes.stage_group``: the ranks that hold ``module``'s
@@ -503,7 +499,7 @@ def update_expert_bias(
     pipelined = meshes is not None and meshes.pp > 1
     routers = _biased_routers(module, stage_may_lack=pipelined)
     _check_step(module, rate, routers)
-    all_routers = [m for m in module.modules() if isinstance(m, TokenChoiceTopKRouter)]
+    all_routers = [m for m in module.modules() if is_router(m)]
     fix = "Pass meshes=meshes (it sums over meshes.stage_group) instead of process_group"
     check_group_in_stage(all_routers, group, "update_expert_bias", fix)
     if pipelined:
@@ -515,9 +511,7 @@ def update_expert_bias(
     _step_biases(routers, rate, group)
 
 
-def _step_biases(
-    routers: list[TokenChoiceTopKRouter], rate: float, group: dist.ProcessGroup | None
-) -> None:
+def _step_biases(routers: list[Router], rate: float, group: dist.ProcessGroup | None) -> None:
     """Sum the counters over ``group`` (one ``all_reduce``; none without a group) and move each
     router's bias by ``rate``."""
     # every router's counter in one flat tensor (routers may differ in E): one collective
@@ -548,7 +542,7 @@ def set_aux_loss_group(module: nn.Module, group: dist.ProcessGroup | None) -> No
 
     ``group`` must hold every rank that routes tokens of the global batch, each token on
     exactly one of them (the dense mesh's dp x tp ranks: ``meshes.stage_group`` for the meshes
-    of :func:`~dtensor_moe.parallel.build_moe_meshes`, the default group when ``pp == 1``; under
+    of :func:`~dtensor_moe.build_moe_meshes`, the default group when ``pp == 1``; under
     pipeline parallelism the statistics are then those of one micro-batch), and every rank of
     it must run each training forward. Each forward then runs one
     ``all_reduce`` of ``2 * E + 2`` floats over ``group`` (in place of the one over tp under
@@ -564,7 +558,7 @@ def set_aux_loss_group(module: nn.Module, group: dist.ProcessGroup | None) -> No
     routers = [
         m
         for m in module.modules()
-        if isinstance(m, TokenChoiceTopKRouter) and m.config.aux_loss_type == "global_batch"
+        if is_router(m) and m.loss_settings.aux_loss_type == "global_batch"
     ]
     if not routers:
         raise ValueError(

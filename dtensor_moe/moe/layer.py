@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_moe.moe.balance import attach_aux_loss
 from dtensor_moe.moe.config import DeviceLike, MoEConfig, factory_kwargs
+from dtensor_moe.moe.protocol import Router, check_router
 from dtensor_moe.moe.router import TokenChoiceTopKRouter, count_unless_recompute
 from dtensor_moe.moe.shared import SharedExperts
 from dtensor_moe.moe.tokens import RoutedTokens
@@ -58,12 +59,17 @@ class MoE(nn.Module):
     """Mixture-of-Experts feed-forward layer; ``y = moe(x)`` keeps shape, dtype and device.
 
     Children:
-        ``router`` (:class:`TokenChoiceTopKRouter`), ``experts``
+        ``router`` (:class:`TokenChoiceTopKRouter`, or the ``router`` given), ``experts``
         (:class:`~dtensor_moe.routed.GroupedExperts`, run by its ``experts.plan``),
         ``shared_experts`` (:class:`SharedExperts` or ``None``).
 
     Args:
         config: the layer's :class:`MoEConfig`.
+        router: the router to use, any ``nn.Module`` with the members of
+            :class:`~dtensor_moe.moe.protocol.Router` (Note [Router protocol] in
+            ``protocol.py``), used as given (``device`` and ``dtype`` do not apply to it);
+            ``None``: a :class:`TokenChoiceTopKRouter` of ``config``, whose router fields
+            (``top_k``, ``score_func``, the losses and the bias, ...) apply to it only.
         device, dtype: where and in which floating dtype the parameters and buffers are made,
             as torch's own modules take them (``None``: torch's current default device and
             dtype). No global default changes. The router's ``expert_bias`` is float32 whatever
@@ -113,14 +119,21 @@ class MoE(nn.Module):
     """
 
     def __init__(
-        self, config: MoEConfig, *, device: DeviceLike = None, dtype: torch.dtype | None = None
+        self,
+        config: MoEConfig,
+        *,
+        router: Router | None = None,
+        device: DeviceLike = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoE expects a MoEConfig, got {type(config).__name__}")
         factory = factory_kwargs(device, dtype)
         self.config = config
-        self.router = TokenChoiceTopKRouter(config, **factory)
+        if router is None:
+            router = TokenChoiceTopKRouter(config, **factory)
+        self.router = check_router(router, num_experts=config.num_experts)
         exchange = LocalExchange(
             num_experts=config.num_experts,
             pad_multiple=config.pad_multiple,
@@ -157,7 +170,7 @@ class MoE(nn.Module):
 
         For a layer built on the ``meta`` device (Note [Meta-device init]): after
         ``model.to_empty(device=...)``, call it on every :class:`MoE`, or load a checkpoint and
-        then :meth:`~dtensor_moe.moe.router.TokenChoiceTopKRouter.reset_counters`.
+        then ``router.reset_counters()``.
         """
         self.router.reset_parameters()
         self.experts.reset_parameters()

@@ -40,10 +40,13 @@ losses (of the shard, or of the global batch for the global balance loss), never
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+
+if TYPE_CHECKING:
+    from dtensor_moe.moe.protocol import Router
 
 __all__ = [
     "LossTokens",
@@ -187,7 +190,7 @@ class LossTokens:
 
 
 def router_losses(
-    router: Any,
+    router: Router,
     logits_TE: torch.Tensor,
     scores_TE: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -195,14 +198,17 @@ def router_losses(
 ) -> torch.Tensor | None:
     """This rank's share of the router losses (balance + z), summed; ``None`` when none is due.
 
-    Due in training mode with ``aux_loss_coeff > 0`` or ``z_loss_coeff > 0``. Sets the logged
-    whole values ``router.last_aux_loss`` / ``router.last_z_loss``.
+    Due in training mode with ``aux_loss_coeff > 0`` or ``z_loss_coeff > 0`` in
+    ``router.loss_settings`` (Note [Router protocol] in ``protocol.py``). The balance loss also
+    reads ``router.aux_scores(scores_TE)`` (the per-token normalised scores) and, for
+    ``"global_batch"``, ``router.aux_loss_group``. Sets the logged whole values
+    ``router.last_aux_loss`` / ``router.last_z_loss``. ``K`` is ``topk_ids_TK.shape[-1]``.
 
     Collectives (forward only, no gradient): one ``all_reduce`` of the statistics when the
     tokens are split (``tokens.shard_group``) or a global-batch balance loss has a
     ``router.aux_loss_group``; none otherwise.
     """
-    cfg = router.config
+    cfg = router.loss_settings
     want_aux, want_z = cfg.aux_loss_coeff > 0, cfg.z_loss_coeff > 0
     if not router.training or not (want_aux or want_z):
         return None
@@ -221,7 +227,10 @@ def router_losses(
         total = _stats(aux_TE, topk_ids_TK, lse2_T, tokens, slice(None), is_global=is_global)
     losses = []
     if want_aux:
-        losses.append(_balance(router, own_stats, total, tokens, is_global=is_global))
+        top_k = topk_ids_TK.shape[-1]
+        losses.append(
+            _balance(router, own_stats, total, tokens, top_k=top_k, is_global=is_global)
+        )
     if want_z:
         z_kwargs = dict(coeff=cfg.z_loss_coeff)
         router.last_z_loss = z_loss_from_sum(
@@ -278,12 +287,19 @@ def _all_reduce(own: _Stats, group: Any) -> _Stats:
 
 
 def _balance(
-    router: Any, own: _Stats, total: _Stats, tokens: LossTokens, *, is_global: bool
+    router: Router,
+    own: _Stats,
+    total: _Stats,
+    tokens: LossTokens,
+    *,
+    top_k: int,
+    is_global: bool,
 ) -> torch.Tensor:
-    """This rank's share of the balance loss; logs the whole loss in ``router.last_aux_loss``."""
-    cfg = router.config
+    """This rank's share of the balance loss (``top_k`` experts per token); logs the whole loss
+    in ``router.last_aux_loss``."""
+    cfg = router.loss_settings
     if is_global:
-        kwargs = dict(global_tokens=total.num_tokens, top_k=cfg.top_k, coeff=cfg.aux_loss_coeff)
+        kwargs = dict(global_tokens=total.num_tokens, top_k=top_k, coeff=cfg.aux_loss_coeff)
         whole = global_aux_loss_from_sums(
             total.hits, total.sums.detach(), shard_tokens=total.num_tokens, **kwargs
         )
@@ -291,7 +307,7 @@ def _balance(
             total.hits, own.sums, shard_tokens=tokens.shard_tokens, **kwargs
         )
     else:
-        kwargs = dict(seq_len=tokens.seq_len, top_k=cfg.top_k, coeff=cfg.aux_loss_coeff)
+        kwargs = dict(seq_len=tokens.seq_len, top_k=top_k, coeff=cfg.aux_loss_coeff)
         whole = aux_loss_from_sums(total.hits, total.sums.detach(), **kwargs)
         share = aux_loss_from_sums(total.hits, own.sums, **kwargs)
     router.last_aux_loss = whole.detach()

@@ -31,6 +31,7 @@ from dtensor_moe.moe.losses import (
     router_losses,
     sequence_sums,
 )
+from dtensor_moe.moe.protocol import Router, RouterLossSettings, is_router
 from dtensor_moe.moe.tokens import RoutedTokens
 
 __all__ = [
@@ -161,19 +162,22 @@ BIAS_UPDATE_WARN_FORWARDS = 100
 
 
 def count_unless_recompute(
-    router: TokenChoiceTopKRouter,
+    router: Router,
     counts_E: torch.Tensor,
     dropped_E: torch.Tensor | None = None,
 ) -> None:
     """``router.tokens_per_expert += counts_E`` (and ``router.dropped_per_expert +=
     dropped_E`` when given) unless this runs inside a backward pass (recompute) or torch's
-    pipeline metadata inference (Note [Counting under pipeline metadata inference]).
+    pipeline metadata inference (Note [Counting under pipeline metadata inference]). A router
+    without ``tokens_per_expert`` counts nothing (Note [Router protocol] in ``protocol.py``).
 
     A router with an expert bias also counts the forwards since the last
     :func:`~dtensor_moe.moe.update_expert_bias`, and warns once when they reach
     :data:`BIAS_UPDATE_WARN_FORWARDS` (Note [Expert bias needs its update]). Run eagerly under
     ``torch.compile`` (one graph break); see ``_COUNT_REASON``.
     """
+    if router.tokens_per_expert is None:
+        return
     if _in_backward_pass() or _compat.in_pipeline_metadata_inference():
         return
     with torch.no_grad():
@@ -181,8 +185,9 @@ def count_unless_recompute(
         if router.dropped_per_expert is not None and dropped_E is not None:
             router.dropped_per_expert.add_(dropped_E)
     if router.expert_bias is not None:
-        router.forwards_since_bias_update += 1
-        if router.forwards_since_bias_update == BIAS_UPDATE_WARN_FORWARDS:
+        forwards = getattr(router, "forwards_since_bias_update", 0) + 1
+        router.forwards_since_bias_update = forwards
+        if forwards == BIAS_UPDATE_WARN_FORWARDS:
             warnings.warn(
                 f"an MoE router with use_expert_bias=True has counted "
                 f"{BIAS_UPDATE_WARN_FORWARDS} training forwards without update_expert_bias: its "
@@ -344,7 +349,9 @@ def bias_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class TokenChoiceTopKRouter(nn.Module):
-    """Each token picks its ``top_k`` experts from a linear gate.
+    """Each token picks its ``top_k`` experts from a linear gate: the router that
+    :class:`~dtensor_moe.moe.MoE` builds by default, one :class:`~dtensor_moe.moe.protocol.Router`
+    (Note [Router protocol] in ``protocol.py``).
 
     Buffers:
         ``expert_bias`` (E, float32, persistent; only with ``use_expert_bias``): added to the
@@ -376,7 +383,7 @@ class TokenChoiceTopKRouter(nn.Module):
             :func:`set_router_loss_scale`.
         stage_ranks: the global ranks of the pipeline stage that holds this router (every rank
             without pipeline parallelism), or ``None``. Recorded by
-            :func:`~dtensor_moe.parallel.parallelize_moe` from its meshes, and read by the
+            :func:`parallelize_moe` from its meshes, and read by the
             helpers that take a process group (Note [A router knows its stage] in
             ``balance.py``).
         pp_rank: the index of that stage (``None`` with ``stage_ranks``).
@@ -414,6 +421,21 @@ class TokenChoiceTopKRouter(nn.Module):
         # needs its update]); a host int, like the counters' window, not state to save
         self.forwards_since_bias_update = 0
         self.reset_parameters()
+
+    @property
+    def num_experts(self) -> int:
+        """``E``, the routed experts (``MoEConfig.num_experts``)."""
+        return self.config.num_experts
+
+    @property
+    def loss_settings(self) -> RouterLossSettings:
+        """The router losses of ``MoEConfig`` (Note [Router protocol] in ``protocol.py``)."""
+        cfg = self.config
+        return RouterLossSettings(
+            aux_loss_coeff=cfg.aux_loss_coeff,
+            aux_loss_type=cfg.aux_loss_type,
+            z_loss_coeff=cfg.z_loss_coeff,
+        )
 
     def reset_parameters(self) -> None:
         """Initialise the gate (normal, ``init_std``) and zero the expert bias and the counters,
@@ -707,7 +729,7 @@ def set_router_loss_scale(
         )
     for module in [modules] if isinstance(modules, nn.Module) else modules:
         for router in module.modules():
-            if isinstance(router, TokenChoiceTopKRouter):
+            if is_router(router):
                 router.aux_loss_scale = scale
 
 

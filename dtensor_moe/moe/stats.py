@@ -7,7 +7,9 @@ The figures come from each router's ``tokens_per_expert`` counter: the (token, e
 routed since the counter was last reset (by :func:`~dtensor_moe.moe.update_expert_bias`, or by
 ``load_stats(..., reset=True)``), counted in training mode only. Under every parallel layout each
 token is counted on exactly one rank (Note [Global router statistics] in
-``dtensor_moe/parallel/token_parallel.py``), so the sum over all ranks is the global count.
+``parallel/token_parallel.py``), so the sum over all ranks is the global count.
+A router that keeps no ``tokens_per_expert`` counter (Note [Router protocol] in ``protocol.py``)
+has no figures: its layer is left out.
 
 Note [Load stats across pipeline stages]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -36,17 +38,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dtensor_moe.moe.balance import check_group_in_stage
-from dtensor_moe.moe.router import TokenChoiceTopKRouter
-
-if TYPE_CHECKING:
-    from dtensor_moe.parallel.mesh import MoEMeshes
+from dtensor_moe.moe.protocol import Router, StageMeshes, is_router, require_stage_meshes
 
 __all__ = ["LayerLoad", "load_stats"]
 
@@ -117,17 +116,41 @@ class LayerLoad:
 
 def _named_routers(
     model: nn.Module | Sequence[nn.Module], prefix: str = ""
-) -> list[tuple[str, TokenChoiceTopKRouter]]:
-    """``(prefix + owner name, router)`` of every router of ``model`` (of each module in turn
-    when it is a sequence of modules: the stages a rank runs under an interleaved schedule)."""
+) -> list[tuple[str, Router]]:
+    """``(prefix + owner name, router)`` of every router of ``model`` that keeps counters (of
+    each module in turn when it is a sequence of modules: the stages a rank runs under an
+    interleaved schedule)."""
+    return [(name, r) for name, r in _all_named_routers(model, prefix) if _counts(r)]
+
+
+def _all_named_routers(
+    model: nn.Module | Sequence[nn.Module], prefix: str
+) -> list[tuple[str, Router]]:
     models = [model] if isinstance(model, nn.Module) else list(model)
     named = []
     for part in models:
         for name, module in part.named_modules():
-            if isinstance(module, TokenChoiceTopKRouter):
+            if is_router(module):
                 owner, _, child = name.rpartition(".")
                 named.append((prefix + (owner if child == "router" else name), module))
     return named
+
+
+def _counts(router: Router) -> bool:
+    return router.tokens_per_expert is not None
+
+
+def _no_router(model: nn.Module | Sequence[nn.Module], where: str, fix: str) -> ValueError:
+    """The error of a model without a counting router, naming the routers that count nothing."""
+    silent = [f"{type(r).__name__} at {name or '<root>'!r}"
+              for name, r in _all_named_routers(model, "") if not _counts(r)]
+    if silent:
+        return ValueError(
+            f"load_stats found no router with a tokens_per_expert counter in {where}; its "
+            f"routers keep none ({', '.join(silent[:3])}{' ...' if len(silent) > 3 else ''}), "
+            "so there are no figures to report"
+        )
+    return ValueError(f"load_stats found no MoE router in {where}; {fix}")
 
 
 def _group(process_group: object) -> dist.ProcessGroup | None:
@@ -150,10 +173,12 @@ def load_stats(
     *,
     process_group: dist.ProcessGroup | Literal["world", "local"] = "world",
     reset: bool = False,
-    meshes: MoEMeshes | None = None,
+    meshes: StageMeshes | None = None,
     prefix: str = "",
 ) -> list[LayerLoad]:
-    """Tokens-per-expert figures of every MoE layer in ``model``, in module order.
+    """Tokens-per-expert figures of every MoE layer in ``model``, in module order (the layers
+    whose router keeps a ``tokens_per_expert`` counter: Note [Router protocol] in
+    ``protocol.py``).
 
     ``model`` is a module, or a sequence of modules taken in turn (the stage modules of one
     rank under an interleaved or V-shaped pipeline schedule).
@@ -161,11 +186,11 @@ def load_stats(
     Keyword Args:
         process_group: the ranks whose counters are summed. ``"world"`` (default): every
             rank (``dist.group.WORLD``) when ``torch.distributed`` is initialized, which is the
-            global count under every layout of ``dtensor_moe.parallel``, and this process
+            global count under every parallel layout of this package, and this process
             alone otherwise; ``"local"``: this process's counters, no collective; or a group.
         reset: zero the counters afterwards (what :func:`~dtensor_moe.moe.update_expert_bias`
             also does). Leave it ``False`` when the expert bias is updated from them.
-        meshes: the :class:`~dtensor_moe.parallel.MoEMeshes` of this rank. With
+        meshes: the :class:`~dtensor_moe.MoEMeshes` of this rank. With
             ``meshes.pp > 1``, ``model`` is this rank's pipeline stage module (or modules) and
             the result lists every MoE layer of every stage, the same on every rank, ordered by
             ``pp_rank`` and then as each rank lists them (Note [Load stats across pipeline
@@ -180,7 +205,8 @@ def load_stats(
     every rank of the group (of the world with ``meshes``).
 
     Raises:
-        ValueError: when no router is found (in ``model``, or in any stage with ``meshes``),
+        ValueError: when no router with counters is found (in ``model``, or in any stage
+            with ``meshes``; the message names the routers that keep none),
             ``process_group`` is another string or is given with ``meshes``, the group
             (``"world"`` included) holds a rank outside the pipeline stage that
             ``parallelize_moe`` recorded on a router (Note [A router knows its stage] in
@@ -193,10 +219,7 @@ def load_stats(
             return _load_stats_across_stages(model, meshes, reset=reset, prefix=prefix)
     named = _named_routers(model, prefix)
     if not named:
-        raise ValueError(
-            f"load_stats found no TokenChoiceTopKRouter in {_describe(model)}; pass the "
-            "model that holds the MoE layers"
-        )
+        raise _no_router(model, _describe(model), "pass the model that holds the MoE layers")
     fix = (
         "Pass meshes=meshes (each layer's counters are then summed over its stage), or "
         "process_group='local'"
@@ -226,9 +249,7 @@ def _describe(model: nn.Module | Sequence[nn.Module]) -> str:
 
 
 def _check_meshes(meshes: object, process_group: object) -> None:
-    from dtensor_moe.parallel.mesh import require_meshes  # the parallel package imports moe
-
-    require_meshes(meshes, "load_stats")
+    require_stage_meshes(meshes, "load_stats")
     if not (isinstance(process_group, str) and process_group == "world"):
         raise ValueError(
             f"load_stats: pass either meshes or process_group, got process_group="
@@ -238,7 +259,7 @@ def _check_meshes(meshes: object, process_group: object) -> None:
 
 
 def _load_stats_across_stages(
-    model: nn.Module | Sequence[nn.Module], meshes: MoEMeshes, *, reset: bool, prefix: str
+    model: nn.Module | Sequence[nn.Module], meshes: StageMeshes, *, reset: bool, prefix: str
 ) -> list[LayerLoad]:
     """Note [Load stats across pipeline stages]: one ``all_gather_object`` over the world."""
     named = _named_routers(model, prefix)
@@ -273,14 +294,12 @@ def _load_stats_across_stages(
             loads.append(LayerLoad.from_counts(name, routed, dropped))
             start += 2 * size
     if not loads:
-        raise ValueError(
-            f"load_stats found no TokenChoiceTopKRouter in any pipeline stage "
-            f"({_describe(model)} on this rank); pass each stage's module"
-        )
+        where = f"any pipeline stage ({_describe(model)} on this rank)"
+        raise _no_router(model, where, "pass each stage's module")
     return loads
 
 
-def _counters(router: TokenChoiceTopKRouter) -> torch.Tensor:
+def _counters(router: Router) -> torch.Tensor:
     """``tokens_per_expert`` then ``dropped_per_expert`` (zeros without a capacity), flat."""
     routed = router.tokens_per_expert.detach().reshape(-1)
     dropped = router.dropped_per_expert

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from dtensor_moe.moe.balance import check_group_in_stage
 from dtensor_moe.moe.layer import MoE
+from dtensor_moe.moe.protocol import Router
 from dtensor_moe.parallel.mesh import MoEMeshes
 from dtensor_moe.parallel.style import (
     ExpertParallel,
@@ -155,8 +156,9 @@ def _sharded_around(model: nn.Module, layers: list[MoE]) -> list[str]:
     ]
 
 
-def _unset_global_batch_routers(layers: list[MoE], meshes: MoEMeshes) -> list:
-    """The routers whose ``"global_batch"`` balance loss has no ``aux_loss_group`` yet.
+def _unset_global_batch_routers(layers: list[MoE], meshes: MoEMeshes) -> list[Router]:
+    """The routers whose ``"global_batch"`` balance loss (``router.loss_settings``, Note
+    [Router protocol] in ``moe/protocol.py``) has no ``aux_loss_group`` yet.
 
     Note [Global batch under parallelize_moe]: the dense mesh's dp x tp ranks each route
     different tokens of the global batch, and the meshes of ``build_moe_meshes`` cover every
@@ -169,7 +171,8 @@ def _unset_global_batch_routers(layers: list[MoE], meshes: MoEMeshes) -> list:
     routers = [
         moe.router
         for moe in layers
-        if moe.router.config.aux_loss_type == "global_batch" and moe.router.aux_loss_group is None
+        if moe.router.loss_settings.aux_loss_type == "global_batch"
+        and moe.router.aux_loss_group is None
     ]
     world = len(meshes.stage_ranks) or dist.get_world_size()
     if routers and meshes.dense.size() != world:

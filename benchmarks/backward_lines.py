@@ -31,12 +31,19 @@ def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return found
 
 
+def _is_function(base: ast.expr, functions: set[str]) -> bool:
+    """``torch.autograd.Function`` itself, or a subclass of it defined in the same module."""
+    if isinstance(base, ast.Attribute):
+        return base.attr == "Function"
+    return isinstance(base, ast.Name) and base.id in functions
+
+
 def _roots(tree: ast.Module) -> list[str]:
     roots = []
+    functions: set[str] = set()  # this module's Function subclasses, bases before their users
     for node in tree.body:
-        if isinstance(node, ast.ClassDef) and any(
-            isinstance(b, ast.Attribute) and b.attr == "Function" for b in node.bases
-        ):
+        if isinstance(node, ast.ClassDef) and any(_is_function(b, functions) for b in node.bases):
+            functions.add(node.name)
             roots += [f"{node.name}.backward"] if any(
                 isinstance(i, ast.FunctionDef) and i.name == "backward" for i in node.body
             ) else []

@@ -214,7 +214,7 @@ def test_paths_match_plain_math():
 
 
 def test_torch_grouped_mm_rejects_expanded_grad():
-    """Documents the torch 2.13 CPU bug that ``_ContiguousGrad`` works around.
+    """Documents the torch 2.13 CPU bug that Note [grouped_mm expanded grad] works around.
 
     If this test starts failing, torch fixed the bug and the workaround can go.
     """

@@ -64,7 +64,8 @@ Note [Packed rows]
 The experts apply the combine weights (``swiglu_down``), so each row travels with its weight:
 ``(N, D + 1)``, the weight as the last column, one all-to-all. ``permute_tokens`` gathers the
 rows straight into that buffer (``extra_N``; the static exchange, whose layout has padding
-rows, copies its gathered rows and the column into one, ``_with_column``), and its backward sums
+rows, copies its gathered rows and the column into one: ``pack_rows`` in ``layouts.py``), and its
+backward sums
 the packed gradient whole and drops the column's sums. On arrival ``_InExpertOrder`` gathers
 the rows and the weights from the buffer into local-expert order, and its backward writes
 their gradients into one such buffer, so the reverse exchange is one all-to-all too. Sending
@@ -123,9 +124,9 @@ from dtensor_moe.routed.exchange import (
 from dtensor_moe.routed.layouts import (
     Capacity,
     ExpertLayout,
-    PaddedPairs,
     SortedPairs,
     in_order,
+    pack_rows,
     permute_tokens,
     scores_in_rows,
     sort_by_expert,
@@ -324,15 +325,6 @@ class _InExpertOrder(torch.autograd.Function):
         return packed_MD1, None
 
 
-def _with_column(t_ND: torch.Tensor, col_N: torch.Tensor) -> torch.Tensor:
-    """``torch.cat((t_ND, col_N[:, None]), dim=-1)`` as two copies into one buffer: torch 2.13's
-    CPU ``cat`` along the last dimension with a one-column piece takes about 5x as long."""
-    out_ND1 = t_ND.new_empty(t_ND.shape[0], t_ND.shape[1] + 1)
-    out_ND1[:, :-1] = t_ND
-    out_ND1[:, -1] = col_N
-    return out_ND1
-
-
 def _block_sums(counts: list[int], e: int) -> list[int]:
     """Sums of consecutive blocks of ``e`` host counts: rows per rank of ``P * e`` counts."""
     return [sum(counts[i : i + e]) for i in range(0, len(counts), e)]
@@ -488,16 +480,8 @@ class AllToAllExchange(TokenExchange):
     ) -> tuple[tuple[torch.Tensor, ...], Exchange]:
         """Gather the rows of ``layout`` and start sending them with their combine weights, in
         one exchange node (or, with ``score_before_experts``, the rows scaled by them)."""
-        scores_N = scores_in_rows(scores_TX, layout)
-        if self.score_before_experts:  # the rows travel scaled; no weights to send
-            rows_ND = permute_tokens(x_TD, layout) * scores_N.unsqueeze(-1)
-            return (scatter_start(ex, rows_ND)[0],), ex
-        # each row with its weight in one buffer: one collective each way (Note [Packed rows])
-        if isinstance(layout, PaddedPairs):
-            packed_ND1 = _with_column(permute_tokens(x_TD, layout), scores_N)
-        else:  # gathered into it
-            packed_ND1 = permute_tokens(x_TD, layout, scores_N)
-        return (scatter_start(ex, packed_ND1)[0],), ex
+        rows = pack_rows(x_TD, scores_TX, layout, scaled=self.score_before_experts)
+        return (scatter_start(ex, rows)[0],), ex
 
     def _dispatch_static(
         self,
@@ -516,7 +500,7 @@ class AllToAllExchange(TokenExchange):
             x_TD, scores_TX, layout, Exchange(self.mesh.get_group(), splits, splits)
         )
         # The received (P, e, C) blocks, grouped by local expert: (e, P, C).
-        dev = x_TD.device
+        dev = ids_TX.device
         block_M = torch.arange(P * e * C, device=dev).view(P, e, C).transpose(0, 1).reshape(-1)
         received = SortedPairs(
             token_N=block_M,

@@ -137,24 +137,26 @@ class RoutedPlan:
 @dataclass(frozen=True, slots=True)
 class Started:
     """What :func:`start` hands to :func:`finish`: the chosen step and kernel, the counts if
-    they were read on the host (once per forward), the rows' source, scores and layout, and the
-    two-step's up projections ``(h1, h3, offs)`` when it ran them."""
+    they were read on the host (once per forward), the rows' source and layout, each row's
+    combine weight (``None``: unscaled), and what the step ran first: the gathered rows (plain
+    steps) or the two-step's up projections ``(h1, h3, offs)``."""
 
     step: Step
     kernel: str
     counts: list[int] | None
-    scores_first: bool
     source: torch.Tensor
-    scores: torch.Tensor | None
     layout: ExpertLayout
+    scores_R: torch.Tensor | None
+    rows: torch.Tensor | None = None
     up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def choose_step(
-    plan: RoutedPlan, source_SD: torch.Tensor, layout: ExpertLayout, w1_eHD: torch.Tensor
+    plan: RoutedPlan, layout: ExpertLayout, w1_eHD: torch.Tensor
 ) -> tuple[Step, str, list[int] | None]:
     """Every per-forward decision of the routed path (Note [One plan]): the step, the concrete
-    kernel for these rows, and the counts if they had to be read on the host (once)."""
+    kernel for these rows (which have the weights' dtype and device: ``GroupedExperts.forward``
+    checks), and the counts if they had to be read on the host (once)."""
     if layout.num_rows == 0:
         return "no_rows", "", None
     if w1_eHD.shape[0] != layout.counts_e.numel():
@@ -163,7 +165,7 @@ def choose_step(
             f"{w1_eHD.shape[0]} experts"
         )
     counts = _host_counts(layout.counts_e, plan.kernel)
-    kernel = resolve_compute_path(plan.kernel, source_SD, w1_eHD, counts)
+    kernel = resolve_compute_path(plan.kernel, w1_eHD, w1_eHD, counts)
     if kernel != "grouped_mm" and counts is None:  # loop and bmm need them
         counts = layout.counts_e.tolist()
     grad = torch.is_grad_enabled()
@@ -191,49 +193,48 @@ def start(
     keep_rows: bool = False,
 ) -> Started:
     """Choose the step for these rows and run what comes first: the two-step's up
-    projections (step 1 of Note [The routed SwiGLU in two steps]); nothing on other steps.
+    projections (step 1 of Note [The routed SwiGLU in two steps]), or the rows' gather.
 
     ``scores``: each pair's combine weight (indexed by the layout's ``order_N``; in row order
     for an :class:`~dtensor_moe.routed.layouts.InOrder` layout), or ``None``: unscaled.
     ``keep_rows``: keep the gathered rows for backward rather than gather them again (when
     nothing else keeps the source, as for an exchange's received rows)."""
     w1, _, w3 = weights
-    step, kernel, counts = choose_step(plan, source_SD, layout, w1)
-    up = None
-    if step == "two_step":
-        offs_e = _group_ends(layout.counts_e.to(source_SD.device))
-        regather = not keep_rows and not torch.compiler.is_compiling()  # compiled: the
-        h1_RH, h3_RH = _project_up(source_SD, layout, w1, w3, offs_e, regather)  # partitioner's
-        up = (h1_RH, h3_RH, offs_e)
-    first = plan.exchange.score_before_experts
-    return Started(step, kernel, counts, first, source_SD, scores, layout, up)
+    step, kernel, counts = choose_step(plan, layout, w1)
+    scores_R = None if scores is None else scores_in_rows(scores, layout)
+    if step == "recompute_two_step":  # the checkpoint gathers the rows itself
+        return Started(step, kernel, counts, source_SD, layout, scores_R)
+    rows_RD = permute_tokens(source_SD, layout)
+    if step != "two_step":
+        if plan.exchange.score_before_experts and scores_R is not None:
+            rows_RD, scores_R = rows_RD * scores_R.unsqueeze(-1), None  # before the experts
+        return Started(step, kernel, counts, source_SD, layout, scores_R, rows=rows_RD)
+    offs_e = _group_ends(layout.counts_e.to(w1.device))
+    regather = not keep_rows and not torch.compiler.is_compiling()  # compiled: the partitioner's
+    up = _project_up(rows_RD, source_SD, layout, w1, w3, offs_e, regather)
+    return Started(step, kernel, counts, source_SD, layout, scores_R, up=(*up, offs_e))
 
 
 def finish(started: Started, weights: Weights) -> torch.Tensor:
     """The rest of the chosen step: ``out_RD``, in the layout's row order (padding rows zero),
-    each row scaled by its combine weight."""
+    each row scaled by its combine weight (at the down projection, as ``swiglu_down``)."""
     w1, w2, w3 = weights
-    step, source_SD, layout = started.step, started.source, started.layout
-    scores = started.scores
-    scores_R = None if scores is None else scores_in_rows(scores, layout)
+    step, layout, scores_R = started.step, started.layout, started.scores_R
     if step == "two_step":
         h1_RH, h3_RH, offs_e = started.up
         return swiglu_down(h1_RH, h3_RH, w2, offs_e, scores_R)
     if step == "recompute_two_step":
-        offs_e = _group_ends(layout.counts_e.to(source_SD.device))
+        offs_e = _group_ends(layout.counts_e.to(w1.device))
         return torch.utils.checkpoint.checkpoint(
-            _routed_swiglu, source_SD, layout, w1, w2, w3, offs_e, scores_R, use_reentrant=False
-        )
+            _routed_swiglu, started.source, layout, w1, w2, w3, offs_e, scores_R,
+            use_reentrant=False,
+        )  # fmt: skip
     if step == "no_rows":  # no rows here (no tokens, or all sent away): zero rows, still in
-        out_RD = permute_tokens(source_SD, layout)  # the graph of the source, the scores and
-        if scores_R is not None:  # the weights, as on every rank
+        out_RD = started.rows  # the graph of the source, the scores and the weights, as on
+        if scores_R is not None:  # every rank
             out_RD = out_RD * scores_R.unsqueeze(-1)
         return out_RD + 0 * (w1.sum() + w2.sum() + w3.sum())
-    rows_RD = permute_tokens(source_SD, layout)
-    if started.scores_first:  # else at the down projection, as swiglu_down
-        rows_RD = rows_RD if scores_R is None else rows_RD * scores_R.unsqueeze(-1)
-        scores_R = None
-    args = (rows_RD, w1, w2, w3, layout.counts_e, started.kernel, scores_R, started.counts)
+    args = (started.rows, w1, w2, w3, layout.counts_e, started.kernel, scores_R, started.counts)
     if step == "recompute_plain":
         return torch.utils.checkpoint.checkpoint(_swiglu_on_path, *args, use_reentrant=False)
     return _swiglu_on_path(*args)

@@ -38,33 +38,20 @@ import torch.utils.checkpoint
 
 from dtensor_moe import _compat
 from dtensor_moe.moe.config import ComputePath, autocast_off
-from dtensor_moe.routed.layouts import ExpertLayout, PositionalFunction, permute_tokens
+from dtensor_moe.routed.layouts import ExpertLayout, permute_tokens
 
 __all__ = ["grouped_swiglu", "resolve_compute_path", "swiglu_down"]
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class _ContiguousGrad(PositionalFunction):
-    """Identity whose backward makes the incoming gradient contiguous.
-
-    Note [grouped_mm expanded grad]: in torch 2.13 the backward of ``torch._grouped_mm``
-    raises "Invalid strides/sizes" when its upstream gradient is expanded (zero strides), as
-    produced by ``y.sum().backward()``. Placing this identity right after every grouped_mm call
-    hands it a contiguous gradient instead (free when it already is contiguous).
-    """
-
-    @staticmethod
-    def forward(t: torch.Tensor) -> torch.Tensor:
-        return t.view_as(t)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        pass  # nothing to keep; the setup_context form lets torch.func transforms run it
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+# Note [grouped_mm expanded grad]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# In torch 2.13 the backward of ``torch._grouped_mm`` raises "Invalid strides/sizes" when its
+# upstream gradient is expanded (zero strides), as ``y.sum().backward()`` produces. Every eager
+# grouped_mm output that requires grad therefore gets a tensor hook that hands its node a
+# contiguous gradient (free when it already is contiguous); hooks also run under ``torch.func``
+# transforms and in a double backward.
 
 
 # Note [grouped_mm under torch.compile]
@@ -109,8 +96,7 @@ def _grouped_mm_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 
 def _grouped_mm_backward(ctx: Any, grad_RO: torch.Tensor) -> tuple:
-    x_RI, w_eOI, offs_e = ctx.saved_tensors
-    return *_gmm_grads(grad_RO, x_RI, w_eOI, offs_e, *ctx.needs_input_grad[:2]), None
+    return *_gmm_grads(grad_RO, *ctx.saved_tensors, *ctx.needs_input_grad[:2]), None
 
 
 _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
@@ -121,7 +107,10 @@ def _grouped_mm(x_RI: torch.Tensor, w_eOI: torch.Tensor, offs_e: torch.Tensor) -
     Note [grouped_mm under torch.compile]."""
     if torch.compiler.is_compiling():
         return _grouped_mm_op(x_RI, w_eOI, offs_e)
-    return _ContiguousGrad.run(torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e))
+    out_RO = torch._grouped_mm(x_RI, w_eOI.transpose(-2, -1), offs=offs_e)
+    if out_RO.requires_grad:  # Note [grouped_mm expanded grad]
+        out_RO.register_hook(torch.Tensor.contiguous)
+    return out_RO
 
 
 # Note [Routed experts under autocast]
@@ -416,10 +405,10 @@ class _ProjectUp(torch.autograd.Function):
         return grad_x, grad_w1, grad_w3, None
 
 
-def _project_up(src_SD, layout, w1_eHD, w3_eHD, offs_e, regather=True):
-    """Step 1 of Note [The routed SwiGLU in two steps]: the rows of ``layout``, projected.
-    ``regather``: backward gathers the rows again instead of keeping them."""
-    rows_RD = permute_tokens(src_SD, layout)
+def _project_up(rows_RD, src_SD, layout, w1_eHD, w3_eHD, offs_e, regather=True):
+    """Step 1 of Note [The routed SwiGLU in two steps]: the rows of ``layout``
+    (``permute_tokens(src_SD, layout)``), projected. ``regather``: backward gathers the rows
+    again from ``src_SD`` instead of keeping them."""
     if torch.compiler.is_compiling():  # Note [grouped_mm under torch.compile]
         return _grouped_mm(rows_RD, w1_eHD, offs_e), _grouped_mm(rows_RD, w3_eHD, offs_e)
     if not regather:
@@ -435,7 +424,8 @@ def _project_up(src_SD, layout, w1_eHD, w3_eHD, offs_e, regather=True):
 
 def _routed_swiglu(src_SD, layout, w1_eHD, w2_eDH, w3_eHD, offs_e, scores_R):
     """Both steps: what ``recompute_experts`` checkpoints whole."""
-    h1_RH, h3_RH = _project_up(src_SD, layout, w1_eHD, w3_eHD, offs_e, regather=False)
+    rows_RD = permute_tokens(src_SD, layout)
+    h1_RH, h3_RH = _project_up(rows_RD, src_SD, layout, w1_eHD, w3_eHD, offs_e, regather=False)
     return swiglu_down(h1_RH, h3_RH, w2_eDH, offs_e, scores_R)
 
 

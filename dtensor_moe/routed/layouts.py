@@ -52,6 +52,7 @@ __all__ = [
     "Rows",
     "SortedPairs",
     "in_order",
+    "pack_rows",
     "permute_tokens",
     "scores_in_rows",
     "sort_by_expert",
@@ -396,28 +397,44 @@ def scores_in_rows(scores_TK: torch.Tensor, layout: ExpertLayout) -> torch.Tenso
     return rows[: layout.num_rows]
 
 
-class _UnpermuteRows(torch.autograd.Function):
-    """``out_ND = src_RD[row_N]`` with unique ``row_N``; backward writes each row once.
+def pack_rows(
+    x_TD: torch.Tensor, scores_TK: torch.Tensor, layout: ExpertLayout, *, scaled: bool
+) -> torch.Tensor:
+    """The rows of ``layout`` gathered from ``x_TD``, ready to travel: each with its combine
+    weight as one more column, ``(R, D + 1)`` (Note [Packed rows] in ``all_to_all.py``), or with
+    ``scaled`` multiplied by it, ``(R, D)``."""
+    scores_R = scores_in_rows(scores_TK, layout)
+    if scaled:
+        return permute_tokens(x_TD, layout) * scores_R.unsqueeze(-1)
+    if not isinstance(layout, PaddedPairs):  # gathered straight into the packed buffer
+        return permute_tokens(x_TD, layout, scores_R)
+    # two copies into one buffer: torch 2.13's CPU ``cat`` along the last dimension with a
+    # one-column piece takes about 5x as long
+    rows_RD = permute_tokens(x_TD, layout)
+    packed_RD1 = rows_RD.new_empty(rows_RD.shape[0], rows_RD.shape[1] + 1)
+    packed_RD1[:, :-1] = rows_RD
+    packed_RD1[:, -1] = scores_R
+    return packed_RD1
 
-    With ``order_R`` (the inverse permutation: ``row_N[order_R[r]] == r``, so ``R == N``) the
-    backward is one gather, ``grad_ND[order_R]``, instead of zero-filling and scattering.
-    """
+
+class _UnpermuteRows(torch.autograd.Function):
+    """``out_ND = src_RD[row_N]`` with unique ``row_N``; backward writes each row once
+    (:func:`combine_row_grads` with one pair per row: with ``order_R``, the inverse permutation,
+    ``row_N[order_R[r]] == r`` and ``R == N``, one gather instead of zero-filling and
+    scattering)."""
 
     @staticmethod
     def forward(
         ctx: Any, src_RD: torch.Tensor, row_N: torch.Tensor, order_R: torch.Tensor | None
     ) -> torch.Tensor:
-        ctx.save_for_backward(row_N if order_R is None else order_R)
-        ctx.num_rows, ctx.inverse = src_RD.shape[0], order_R is not None
+        ctx.save_for_backward(row_N, order_R)
+        ctx.num_rows = src_RD.shape[0]
         return src_RD.index_select(0, row_N)
 
     @staticmethod
     def backward(ctx: Any, grad_ND: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (index,) = ctx.saved_tensors
-        if ctx.inverse:
-            return grad_ND.index_select(0, index), None, None
-        grad_RD = grad_ND.new_zeros(ctx.num_rows, grad_ND.shape[-1])
-        return grad_RD.index_copy_(0, index, grad_ND), None, None
+        row_N, order_R = ctx.saved_tensors
+        return combine_row_grads(grad_ND, row_N[:, None], ctx.num_rows, order_R), None, None
 
 
 def unpermute_rows(out_RD: torch.Tensor, layout: SortedPairs) -> torch.Tensor:

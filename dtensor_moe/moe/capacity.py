@@ -35,7 +35,7 @@ and ``tokens_per_expert`` use the selection before the drop (what the router ask
 dropped pairs are counted per expert in the router's ``dropped_per_expert`` and reported by
 :func:`~dtensor_moe.moe.load_stats`.
 
-The dispatcher receives dropped pairs as expert id ``E`` (one past the last expert) and a
+The exchange receives dropped pairs as expert id ``E`` (one past the last expert) and a
 :class:`Capacity`. Without ``pad_to_capacity`` the routed buffer holds only the kept pairs: its
 length is data, read on the host once per forward (the expert-parallel exchange reads its
 sizes anyway). With ``pad_to_capacity`` every expert's group is exactly ``C`` rows, zero-padded:

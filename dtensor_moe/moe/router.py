@@ -53,14 +53,14 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RouterOutput:
-    """What one router forward hands to the dispatcher.
+    """What one router forward hands to the routed experts' exchange.
 
     Attributes:
         topk_scores_TK: combine weights of the selected experts, in the input dtype.
         topk_ids_TK: selected expert ids (int64), in ``[0, E)``; ``E`` for a pair dropped for
             capacity (Note [Expert capacity] in ``capacity.py``).
         counts_E: tokens this forward sent to each expert (int64), all routed tokens: what
-            the dispatcher sends (the kept pairs, with a capacity).
+            the exchange sends (the kept pairs, with a capacity).
         count_E: the part of ``counts_E`` that this rank adds to ``tokens_per_expert``: the
             same, except under ``PrepareMoEInput(routing="replicate")``, where the tp ranks
             route the same tokens and each counts its own slice (Note [Global router
@@ -72,7 +72,7 @@ class RouterOutput:
             shares] in ``losses.py``). The layer hands it to
             :func:`~dtensor_moe.moe.balance.attach_aux_loss`, which collects or attaches it
             (Note [Auxiliary loss follows the loss] in ``balance.py``).
-        capacity: the capacity of this forward, handed to the dispatcher; ``None`` (dropless)
+        capacity: the capacity of this forward, handed to the exchange; ``None`` (dropless)
             without a capacity (``capacity_factor`` or ``capacity_per_expert``).
         dropped_E: the pairs of ``count_E``'s tokens dropped for capacity, per expert (what
             this rank adds to ``dropped_per_expert``); ``None`` without a capacity.

@@ -121,8 +121,8 @@ def _grouped_mm(x_RI: torch.Tensor, w_eOI: torch.Tensor, offs_e: torch.Tensor) -
 # dtype would depend on which path the counts pick (``auto`` takes ``bmm`` when every expert
 # gets the same count). The routed experts therefore run with autocast off for their device,
 # in the weights' dtype, on every path: :func:`grouped_swiglu` (every path, also when called
-# alone or per chunk by an expert-parallel dispatcher) and :meth:`GroupedExperts.forward` (the
-# dispatcher's gather and combine, the fused step) each turn it off. The input must then have
+# alone) and :meth:`GroupedExperts.forward` (the exchange's gather and combine, the fused step)
+# each turn it off. The input must then have
 # the weights' dtype (:meth:`GroupedExperts.forward` raises otherwise).
 
 

@@ -89,13 +89,22 @@ class AllGatherExchangeTest(DistTestBase):
 
     @with_comms
     def test_pad_to_capacity_is_refused_before_any_collective(self):
-        """``static_capacity = False``: the first training forward raises on every rank,
+        """``static_capacity = False``: ``parallelize_moe`` refuses it before any collective,
+        and, with the style applied by hand, the first training forward raises on every rank,
         naming the backend, and issues no collective (not even the identical-token check)."""
         meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
         torch.manual_seed(0)
         config = make_config(Case(2, 7, 2, 0), **CAPACITY, pad_to_capacity=True)
-        moe = parallelize_moe(MoE(config), meshes, sequence_parallel=False,
-                              exchange="all_gather")  # fmt: skip
+        with CommDebugMode() as comm, self.assertRaisesRegex(
+            ValueError,
+            r"parallelize_moe: the 'all_gather' exchange does not support pad_to_capacity \(the "
+            r"static exchange at capacity\), which a layer's MoEConfig sets; set "
+            r"pad_to_capacity=False or use exchange='all_to_all'",
+        ):
+            parallelize_moe(MoE(config), meshes, sequence_parallel=False, exchange="all_gather")
+        self.assertEqual(comm.get_total_counts(), 0, comm.get_comm_counts())
+        moe = MoE(config)
+        parallelize_module(moe.experts, meshes.expert["ep"], ExpertParallel(exchange="all_gather"))
         x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(self.rank))
         with CommDebugMode() as comm:
             with self.assertRaisesRegex(
@@ -172,7 +181,7 @@ all_gather: forward all_gather_into_tensor=3 reduce_scatter_tensor=1 | backward 
         moe = MoE(make_config(COUNT_CASE))
         with self.assertRaisesRegex(
             ValueError,
-            rf"ExpertParallel: unknown exchange 'all_gathr'; the registered backends are "
+            rf"parallelize_moe: unknown exchange 'all_gathr'; the registered backends are "
             rf"{_registered()} \(or pass a TokenExchange subclass\)",
         ):
             parallelize_moe(moe, meshes, sequence_parallel=False, exchange="all_gathr")
@@ -181,7 +190,7 @@ all_gather: forward all_gather_into_tensor=3 reduce_scatter_tensor=1 | backward 
             r"the 'local' exchange sends no rows and takes no mesh, got DeviceMesh\(.*\); use "
             r"exchange='all_to_all' or 'all_gather' for expert parallelism",
         ):
-            parallelize_module(moe.experts, meshes.expert["ep"], ExpertParallel(exchange="local"))
+            LocalExchange(num_experts=8, mesh=meshes.expert["ep"])
 
 
 # -- the protocol's errors, in one process -------------------------------------------------------
@@ -255,14 +264,26 @@ def test_local_takes_no_mesh_and_all_gather_needs_one():
         AllGatherExchange(num_experts=4)
 
 
-@pytest.mark.parametrize("exchange", ["local", "no_expert_tp_class"])
-def test_expert_tp_by_all_to_all_needs_the_feature(exchange):
+def test_the_styles_refuse_the_local_exchange_and_parallelize_moe_checks_first():
+    """``exchange='local'`` in an expert style, an unknown name with nothing to parallelize
+    over, and ``pad_to_capacity`` with a backend without the static exchange: refused when the
+    style or ``parallelize_moe`` is called, before any collective (one process, no mesh)."""
+    for style in (ExpertParallel, ExpertTensorParallel):
+        with pytest.raises(ValueError, match=re.escape(
+            f"{style.__name__}(exchange='local'): the local exchange sends no rows"
+        )):
+            style(exchange="local")
+    with pytest.raises(ValueError, match=r"unknown exchange 'all_gathr'; the registered"):
+        parallelize_moe(MoE(make_config(COUNT_CASE)), None, sequence_parallel=False,
+                        exchange="all_gathr")  # fmt: skip
+
+
+def test_expert_tp_by_all_to_all_needs_the_feature():
     class NoExpertTP(AllToAllExchange):  # not registered: passed as a class
         name = "no_expert_tp"
         features = AllToAllExchange.features - {"expert_tp"}
 
-    backend = NoExpertTP if exchange == "no_expert_tp_class" else exchange
-    shown = "no_expert_tp" if exchange == "no_expert_tp_class" else exchange
+    backend, shown = NoExpertTP, "no_expert_tp"
     with pytest.raises(ValueError, match=re.escape(
         f"ExpertTensorParallel(dispatch='all_to_all') sends each row to every hidden slice of "
         f"its expert, which the '{shown}' exchange does not support (no 'expert_tp' feature); "

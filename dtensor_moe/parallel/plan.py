@@ -22,6 +22,9 @@ FSDP2 / DDP.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -32,6 +35,7 @@ from dtensor_moe.moe.balance import check_group_in_stage
 from dtensor_moe.moe.layer import MoE
 from dtensor_moe.moe.protocol import Router
 from dtensor_moe.parallel.mesh import MoEMeshes
+from dtensor_moe.routed import exchange_class
 from dtensor_moe.parallel.style import (
     ExpertParallel,
     ExpertTensorParallel,
@@ -51,6 +55,7 @@ def parallelize_moe(
     expert_tp_dispatch: ExpertTPDispatch = "all_to_all",
     exchange: ExchangeName = "all_to_all",
     ep_overlap: bool = True,
+    exchange_options: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Apply the MoE styles of Note [MoE plan] to every :class:`MoE` in ``model`` (in place).
 
@@ -65,6 +70,8 @@ def parallelize_moe(
         exchange: the exchange backend of the expert styles, by registered name or class:
             ``"all_to_all"`` (default) or ``"all_gather"`` (Note [Exchange protocol] in
             ``routed/exchange.py``); see :class:`~dtensor_moe.parallel.ExpertParallel`.
+        exchange_options: keyword arguments of the backend's own (``"fixed"``:
+            ``buffer_factor``), passed to the expert styles.
         ep_overlap: ``overlap`` of the expert styles: the own rows computed while the other
             rows travel (``True``, default, faster) or every row sent through the exchange
             (``False``); same results. See :class:`~dtensor_moe.parallel.ExpertParallel`.
@@ -83,6 +90,10 @@ def parallelize_moe(
     ``router.pp_rank``), against which the helpers that take a process group check it (Note
     [A router knows its stage] in ``moe/balance.py``).
     """
+    try:  # an unknown name: ValueError, before any collective
+        backend = exchange_class(exchange)
+    except ValueError as err:
+        raise ValueError(f"parallelize_moe: {err}") from None
     if not isinstance(meshes, MoEMeshes):
         raise TypeError(
             f"parallelize_moe expects MoEMeshes from build_moe_meshes, got {type(meshes).__name__}"
@@ -90,6 +101,12 @@ def parallelize_moe(
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError(f"parallelize_moe found no MoE layer in {type(model).__name__}")
+    if not backend.static_capacity and any(moe.config.pad_to_capacity for moe in layers):
+        raise ValueError(
+            f"parallelize_moe: the {backend.name!r} exchange does not support pad_to_capacity "
+            "(the static exchange at capacity), which a layer's MoEConfig sets; set "
+            "pad_to_capacity=False or use exchange='all_to_all'"
+        )
     sharded = _sharded_around(model, layers)
     if sharded:
         raise ValueError(
@@ -104,11 +121,14 @@ def parallelize_moe(
     for moe in layers:
         if expert_tp:
             style = ExpertTensorParallel(
-                dispatch=expert_tp_dispatch, exchange=exchange, overlap=ep_overlap
-            )
+                dispatch=expert_tp_dispatch, exchange=exchange, overlap=ep_overlap,
+                exchange_options=exchange_options,
+            )  # fmt: skip
             parallelize_module(moe.experts, meshes.expert["ep", "etp"], style)
         elif meshes.ep > 1:
-            style = ExpertParallel(exchange=exchange, overlap=ep_overlap)
+            style = ExpertParallel(
+                exchange=exchange, overlap=ep_overlap, exchange_options=exchange_options
+            )
             parallelize_module(moe.experts, meshes.expert["ep"], style)
         if meshes.tp > 1:
             style = PrepareMoEInput(

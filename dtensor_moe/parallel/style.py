@@ -26,7 +26,7 @@ micro-batches in flight.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 from torch import nn
@@ -142,9 +142,15 @@ def _check_exchange(exchange: Any, style: str) -> None:
     """A registered backend name or class (Note [Exchange protocol] in
     ``routed/exchange.py``), at construction: the same on every rank."""
     try:
-        exchange_class(exchange)
+        cls = exchange_class(exchange)
     except ValueError as err:
         raise ValueError(f"{style}: {err}") from None
+    if cls.name == "local":
+        raise ValueError(
+            f"{style}(exchange='local'): the local exchange sends no rows, so it cannot serve "
+            "expert parallelism; use 'all_to_all', 'all_gather' or 'fixed' (without a mesh "
+            "of more than one rank the styles install the local exchange themselves)"
+        )
 
 
 def _named(exchange: ExchangeName) -> str:
@@ -160,6 +166,7 @@ def _install_exchange(
     overlap: bool,
     replicas: int = 1,
     partial_mesh: DeviceMesh | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> None:
     """Put the experts' plan on ``mesh`` with the named backend (the local one without a
     mesh); the layout settings (padding, where the scores apply) stay the plan's."""
@@ -173,6 +180,7 @@ def _install_exchange(
         replicas=replicas,
         partial_mesh=partial_mesh,
         overlap=overlap,
+        **({} if mesh is None or options is None else options),
     )
     module.plan = module.plan.with_exchange(new)
 
@@ -196,6 +204,8 @@ class ExpertParallel(ParallelStyle):
     forward: ``all_to_all_single`` x 3; backward: ``all_to_all_single`` x 2, all on the mesh.
 
     Args:
+        exchange_options: keyword arguments of the backend's own (``"fixed"``:
+            ``buffer_factor``).
         exchange: the backend, by registered name or class (Note [Exchange protocol] in
             ``routed/exchange.py``): ``"all_to_all"`` (default) sends each row to the rank of
             its expert; ``"all_gather"`` gathers every rank's tokens and routing and returns
@@ -216,13 +226,20 @@ class ExpertParallel(ParallelStyle):
             collective; see Note [Style application]).
     """
 
-    def __init__(self, *, exchange: ExchangeName = "all_to_all", overlap: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        exchange: ExchangeName = "all_to_all",
+        overlap: bool = True,
+        exchange_options: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(overlap, bool):
             raise TypeError(f"ExpertParallel: overlap must be a bool, got {overlap!r}")
         _check_exchange(exchange, "ExpertParallel")
         self.exchange = exchange
         self.overlap = overlap
+        self.exchange_options = dict(exchange_options or {})
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = type(self).__name__
@@ -241,8 +258,9 @@ class ExpertParallel(ParallelStyle):
         for name in ("w1", "w2", "w3"):
             _distribute_param(module, name, device_mesh, [Shard(0)])
         _install_exchange(
-            module, self.exchange, mesh=device_mesh if ep > 1 else None, overlap=self.overlap
-        )
+            module, self.exchange, mesh=device_mesh if ep > 1 else None, overlap=self.overlap,
+            options=self.exchange_options,
+        )  # fmt: skip
         return module
 
     def __repr__(self) -> str:
@@ -288,6 +306,7 @@ class ExpertTensorParallel(ParallelStyle):
         dispatch: ExpertTPDispatch = "all_to_all",
         exchange: ExchangeName = "all_to_all",
         overlap: bool = True,
+        exchange_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if dispatch not in ("all_to_all", "gather"):
@@ -307,6 +326,7 @@ class ExpertTensorParallel(ParallelStyle):
         self.dispatch = dispatch
         self.exchange = exchange
         self.overlap = overlap
+        self.exchange_options = dict(exchange_options or {})
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = repr(self)
@@ -327,11 +347,11 @@ class ExpertTensorParallel(ParallelStyle):
         if self.dispatch == "all_to_all":
             mesh = _compat.flatten_mesh(device_mesh)
             _install_exchange(module, self.exchange, mesh=mesh, replicas=etp_mesh.size(),
-                              overlap=self.overlap)  # fmt: skip
+                              overlap=self.overlap, options=self.exchange_options)  # fmt: skip
         else:
             ep_used = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
             _install_exchange(module, self.exchange, mesh=ep_used, partial_mesh=etp_mesh,
-                              overlap=self.overlap)  # fmt: skip
+                              overlap=self.overlap, options=self.exchange_options)  # fmt: skip
         return module
 
     @staticmethod

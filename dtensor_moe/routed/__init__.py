@@ -27,6 +27,7 @@ from dtensor_moe.routed.layouts import (
     sort_by_expert,
     unpermute_and_reduce,
 )
+from dtensor_moe.routed.fixed import FixedBufferExchange
 from dtensor_moe.routed.local import LocalExchange
 from dtensor_moe.routed.experts import GroupedExperts, RoutedPlan, local_expert_weight
 
@@ -35,6 +36,7 @@ __all__ = [
     "AllToAllExchange",
     "Capacity",
     "ExpertLayout",
+    "FixedBufferExchange",
     "GroupedExperts",
     "InOrder",
     "LocalExchange",

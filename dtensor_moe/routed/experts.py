@@ -69,11 +69,18 @@ from dtensor_moe.routed.kernels import (
     _host_counts,
     _project_up,
     _routed_swiglu,
+    _swiglu_grouped_mm,
     _swiglu_on_path,
     resolve_compute_path,
     swiglu_down,
 )
-from dtensor_moe.routed.layouts import Capacity, ExpertLayout, permute_tokens, scores_in_rows
+from dtensor_moe.routed.layouts import (
+    Capacity,
+    DeviceCounts,
+    ExpertLayout,
+    permute_tokens,
+    scores_in_rows,
+)
 from dtensor_moe.routed.local import LocalExchange
 
 __all__ = [
@@ -164,8 +171,15 @@ def choose_step(
             f"counts_e has {layout.counts_e.numel()} entries but the weights hold "
             f"{w1_eHD.shape[0]} experts"
         )
-    counts = _host_counts(layout.counts_e, plan.kernel)
+    on_device = isinstance(layout, DeviceCounts)  # a fixed buffer: never read on the host
+    counts = None if on_device else _host_counts(layout.counts_e, plan.kernel)
     kernel = resolve_compute_path(plan.kernel, w1_eHD, w1_eHD, counts)
+    if kernel != "grouped_mm" and on_device:
+        raise ValueError(
+            f"the {plan.exchange.name!r} exchange keeps its counts on the device, which the "
+            f"{kernel!r} compute path reads on the host; use compute_path='auto' or "
+            "'grouped_mm' (bfloat16 or float32, rows of a multiple of 16 bytes)"
+        )
     if kernel != "grouped_mm" and counts is None:  # loop and bmm need them
         counts = layout.counts_e.tolist()
     grad = torch.is_grad_enabled()
@@ -234,10 +248,15 @@ def finish(started: Started, weights: Weights) -> torch.Tensor:
         if scores_R is not None:  # every rank
             out_RD = out_RD * scores_R.unsqueeze(-1)
         return out_RD + 0 * (w1.sum() + w2.sum() + w3.sum())
-    args = (started.rows, w1, w2, w3, layout.counts_e, started.kernel, scores_R, started.counts)
+    rows_RD, counts_e = started.rows, layout.counts_e
+    if started.kernel == "grouped_mm":  # its counts stay where they are
+        run, args = _swiglu_grouped_mm, (rows_RD, w1, w2, w3, counts_e, scores_R)
+    else:
+        run = _swiglu_on_path
+        args = (rows_RD, w1, w2, w3, counts_e, started.kernel, scores_R, started.counts)
     if step == "recompute_plain":
-        return torch.utils.checkpoint.checkpoint(_swiglu_on_path, *args, use_reentrant=False)
-    return _swiglu_on_path(*args)
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+    return run(*args)
 
 
 def compute(

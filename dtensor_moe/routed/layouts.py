@@ -45,6 +45,7 @@ from dtensor_moe import _compat
 
 __all__ = [
     "Capacity",
+    "DeviceCounts",
     "ExpertLayout",
     "InOrder",
     "PaddedPairs",
@@ -124,6 +125,12 @@ class PairSubset(Rows):
 class InOrder(Rows):
     """Rows already in buffer order (gathered by the caller, as an exchange's received rows):
     :func:`permute_tokens` and :func:`scores_in_rows` take them as they are."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceCounts(InOrder):
+    """:class:`InOrder` rows of a fixed buffer, whose counts stay on the device: the plan never
+    reads them on the host, and the experts run on all ``num_rows`` rows (``fixed.py``)."""
 
 
 ExpertLayout: TypeAlias = SortedPairs | PaddedPairs | PairSubset | InOrder

@@ -1,0 +1,359 @@
+"""The fixed-buffer exchange: dropless expert parallelism with no host read, on static buffers.
+
+Shape legend:
+    T  tokens routed by this rank; X  rows per token (``K``, times ``replicas`` under expert TP)
+    P  ranks of the mesh; e  experts each rank holds; G  destinations ``P * e``
+    C  rows per rank pair (the buffer); D  model width
+    N  the ``T * X`` pairs this rank routes; M  the ``P * C`` rows of a buffer
+
+Note [Fixed-buffer exchange]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Registered as ``"fixed"``. Every rank sends every rank of its mesh a block of exactly ``C``
+rows, ``C = buffer_factor * T * X / P`` (the balanced share of a rank pair, times the factor)
+rounded up to a multiple of 8. Every size is a Python int known from the shapes, so forward and
+backward read nothing on the host, and ``torch.compile`` traces the exchange with the rest of
+the layer (``reads_host_sizes`` is ``False``):
+
+1. the ``T * X`` pairs are sorted by destination rank, then local expert, then token; a pair's
+   slot is its destination's block start plus its place in the block. The per-expert counts
+   travel ahead as a fixed ``P * e`` all-to-all; the rows, each with its combine weight as one
+   more column, as one ``(P * C, D + 1)`` all-to-all with equal splits. Empty slots are zero.
+2. the receiver groups its ``P * C`` rows by local expert on the device (an ``argsort`` of a key
+   built from the received counts); the empty slots go last, into the last expert's group as
+   zero rows, so they give zero outputs and zero gradients (``torch._grouped_mm`` offsets from
+   the device counts). The experts run on that buffer, whatever the counts.
+3. the outputs return in slot order by the reverse all-to-all, and each token sums its rows.
+
+A pair whose place in its destination's block is ``C`` or more does not fit: it is not sent and
+its output is zero. The exchange records, on the device, the most rows that did not fit per
+destination (:attr:`FixedBufferExchange.overflow`, a running maximum, so an activation-
+checkpoint recompute does not count twice); nothing is read until the caller asks, once per
+step: :func:`exchange_overflowed` (one all-reduce) or :func:`check_exchanges` (raises on every
+rank, naming the layer, the rank pair, the rows and the factor that would have held them).
+:func:`step_without_overflow` runs a step function again with a grown factor until no rank
+overflows, before any optimizer step (Note [Re-running an overflowed step]).
+
+Collectives on the mesh, all functional with static splits: forward all-to-all x 3 (counts,
+rows, outputs), backward x 2. On CPU (gloo) torch runs each as an all-gather and a chunk.
+"""
+
+# ruff: noqa: N803, N806
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from dtensor_moe.routed.all_to_all import replicate_over_etp
+from dtensor_moe.routed.exchange import Received, Routed, TokenExchange, register_exchange
+from dtensor_moe.routed.layouts import (
+    Capacity,
+    DeviceCounts,
+    PaddedPairs,
+    PairSubset,
+    pack_rows,
+    unpermute_and_reduce,
+)
+
+__all__ = [
+    "FixedBufferExchange",
+    "check_exchanges",
+    "exchange_overflowed",
+    "reset_overflow",
+    "set_buffer_factor",
+    "step_without_overflow",
+]
+
+_ALIGN = 8
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@register_exchange
+class FixedBufferExchange(TokenExchange):
+    """Expert-parallel dispatch and combine on fixed buffers; see Note [Fixed-buffer exchange].
+
+    Keyword Args:
+        buffer_factor: ``C`` over the balanced share of a rank pair (default 1.25); ``>= 1``.
+        Every other argument is :class:`~dtensor_moe.routed.TokenExchange`'s.
+    """
+
+    name = "fixed"
+    hands_over_launches = False
+    static_capacity = False
+    features = frozenset({"expert_tp", "score_before_experts"})
+
+    def __init__(self, *, buffer_factor: float = 1.25, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if self.mesh is None:
+            raise ValueError(
+                "the 'fixed' exchange needs a mesh of the ranks that exchange rows; use "
+                "exchange='local' when every expert is on this rank"
+            )
+        if not (isinstance(buffer_factor, int | float) and math.isfinite(buffer_factor)
+                and buffer_factor >= 1.0):  # fmt: skip
+            raise ValueError(
+                f"the 'fixed' exchange needs a finite buffer_factor >= 1.0, got {buffer_factor!r}"
+            )
+        self.buffer_factor = float(buffer_factor)
+        # Note [Fixed-buffer exchange]: the most rows that did not fit, per destination rank
+        self.overflow: torch.Tensor | None = None
+        self.last_rows_per_pair = 0  # C of the last forward, for the strict policy's message
+        self._agreed: set[int] = set()  # the C every rank of the mesh was checked to use
+        self._group = self.mesh.get_group()  # traced as a constant (a mesh's submesh is not)
+
+    def rows_per_pair(self, num_pairs: int) -> int:
+        """``C`` for ``num_pairs`` routed pairs on this rank (Note [Fixed-buffer exchange])."""
+        share = self.buffer_factor * num_pairs / self.mesh.size()
+        return max(_ALIGN, _round_up(math.ceil(share), _ALIGN))
+
+    def check_routing(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        counts_E: torch.Tensor,
+        capacity: Capacity | None = None,
+    ) -> None:
+        """The base class's checks, and that every rank of the mesh uses the same ``C``
+        (Note [Fixed-buffer exchange]): an equal-split exchange of unequal buffers would fail
+        or hang. One all-gather and host read the first time a rank meets a size (under
+        ``torch.compile``, a graph break then: run one eager step at a new shape first)."""
+        super().check_routing(x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
+        C = self.rows_per_pair(topk_ids_TK.numel() * self.replicas)
+        if C in self._agreed:
+            return
+        sizes = funcol.all_gather_single(
+            torch.tensor([C], device=x_TD.device), 0, self.mesh
+        ).tolist()
+        if len(set(sizes)) > 1:
+            per_rank = ", ".join(f"rank {r}: {c}" for r, c in zip(self.ranks, sizes, strict=True))
+            raise ValueError(
+                f"the 'fixed' exchange over {self.mesh} needs the same buffer on every rank, got "
+                f"{per_rank} rows per rank pair (buffer_factor={self.buffer_factor} times each "
+                "rank's tokens x top_k / ranks). Give every rank the same number of tokens (the "
+                "same batch shape; under sequence parallelism a sequence length divisible by "
+                "tp), or use exchange='all_to_all'"
+            )
+        self._agreed.add(C)
+
+    def sort_and_send(
+        self,
+        x_TD: torch.Tensor,
+        scores_TK: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        counts_E: torch.Tensor,
+        capacity: Capacity | None,
+    ) -> Routed:
+        P, e = self.mesh.size(), self.experts_per_rank
+        G, dev = P * e, topk_ids_TK.device
+        ids_TX, scores_TX, counts_X = topk_ids_TK, scores_TK, counts_E
+        if self.replicas > 1:
+            ids_TX, counts_X = replicate_over_etp(
+                topk_ids_TK, counts_E, experts_per_rank=e, replicas=self.replicas
+            )
+            scores_TX = scores_TK.repeat_interleave(self.replicas, dim=1)
+        T, X = ids_TX.shape
+        C = self.last_rows_per_pair = self.rows_per_pair(T * X)
+        ids_N = ids_TX.reshape(-1).clamp(max=G)  # dropped for capacity: past every destination
+        order_N = torch.argsort(ids_N, stable=True)
+        dest_N = torch.div(ids_N.index_select(0, order_N), e, rounding_mode="floor")
+        per_rank_P = counts_X.view(P, e).sum(1)
+        starts_P = torch.cumsum(per_rank_P, 0) - per_rank_P
+        place_N = torch.arange(T * X, device=dev) - starts_P.index_select(0, dest_N.clamp(max=P - 1))
+        fits_N = (dest_N < P) & (place_N < C)
+        slot_N = torch.where(fits_N, dest_N * C + place_N, P * C)  # no fit: the void row
+        row_TX = torch.empty_like(order_N).index_put_((order_N,), slot_N).view(T, X)
+        self._record_overflow((per_rank_P - C).clamp(min=0))
+        sent = PaddedPairs(
+            token_N=torch.div(order_N, X, rounding_mode="floor"), order_N=order_N, row_N=slot_N,
+            row_TK=row_TX, counts_e=per_rank_P.clamp(max=C), num_rows=P * C, void_row=True,
+        )  # fmt: skip
+        rows_MD1 = pack_rows(x_TD, scores_TX, sent, scaled=self.score_before_experts)
+        arrived_Pe = funcol.all_to_all_single(counts_X, None, None, self._group).view(P, e)
+        rows_MD1 = funcol.all_to_all_single_autograd(rows_MD1, None, None, self._group)
+        perm_M, counts_e = _group_by_expert(arrived_Pe, C)
+        return Routed(
+            source=x_TD,
+            scores=scores_TX,
+            layout=PairSubset(  # no rows: every row goes through the exchange, the own ones too
+                token_N=order_N[:0], order_N=order_N[:0], rows=order_N[:0],
+                bag_offsets=torch.zeros(T, dtype=torch.int64, device=dev),
+                counts_e=torch.zeros(e, dtype=torch.int64, device=dev), num_rows=0,
+            ),  # fmt: skip
+            row_TK=row_TX,
+            order_N=None,
+            void_row=True,
+            exchange=(rows_MD1, perm_M, counts_e),
+        )
+
+    def receive(self, routed: Routed) -> Received:
+        """The received rows and their weights grouped by local expert, padding last."""
+        rows_MD1, perm_M, counts_e = routed.exchange  # the first use waits for the rows
+        layout = DeviceCounts(counts_e=counts_e, num_rows=perm_M.numel())
+        if self.score_before_experts:
+            return Received(rows=rows_MD1.index_select(0, perm_M), scores=None, layout=layout)
+        rows_MD = rows_MD1[:, :-1].index_select(0, perm_M)  # a fresh, aligned buffer
+        return Received(rows=rows_MD, scores=rows_MD1[:, -1].index_select(0, perm_M),
+                        layout=layout)  # fmt: skip
+
+    def send_back(self, out_RD: torch.Tensor, routed: Routed) -> torch.Tensor:
+        """The outputs back in slot order, and on their way to the ranks they came from."""
+        _, perm_M, _ = routed.exchange
+        in_slots_MD = torch.empty_like(out_RD).index_copy(0, perm_M, out_RD)
+        return funcol.all_to_all_single_autograd(in_slots_MD, None, None, self._group)
+
+    def _combine(self, local_RD: torch.Tensor, routed: Routed, returning: Any) -> torch.Tensor:
+        return unpermute_and_reduce(returning, routed.row_TK, None, void_row=True)
+
+    def reads_host_sizes(self, capacity: Capacity | None = None) -> bool:
+        """Never: every size is known from the shapes."""
+        return False
+
+    def _record_overflow(self, over_P: torch.Tensor) -> None:
+        if self.overflow is None or self.overflow.device != over_P.device:
+            self.overflow = torch.zeros_like(over_P)
+        torch.maximum(self.overflow, over_P, out=self.overflow)
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, buffer_factor={self.buffer_factor})"
+
+
+def _group_by_expert(arrived_Pe: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order that groups the received ``(P, C)`` slots by local expert (source rank, then
+    slot, inside a group; the empty slots last), and each expert's row count, the empty slots
+    added to the last expert's. All on the device."""
+    P, e = arrived_Pe.shape
+    dev = arrived_Pe.device
+    ends_Pe = torch.cumsum(arrived_Pe, 1).clamp(max=C)  # what fits of each block
+    slot_C = torch.arange(C, device=dev)
+    expert_PC = torch.searchsorted(ends_Pe, slot_C.expand(P, C).contiguous(), right=True)
+    key_PC = expert_PC * (P * C) + torch.arange(P * C, device=dev).view(P, C)  # empty: e
+    perm_M = torch.argsort(key_PC.reshape(-1))
+    counts_e = torch.diff(ends_Pe, dim=1, prepend=ends_Pe.new_zeros(P, 1)).sum(0)
+    counts_e[-1] += P * C - counts_e.sum()  # the empty slots: zero rows in the last group
+    return perm_M, counts_e
+
+
+def _fixed_exchanges(model: nn.Module) -> list[tuple[str, FixedBufferExchange]]:
+    found = []
+    for name, module in model.named_modules():
+        exchange = getattr(getattr(module, "plan", None), "exchange", None)
+        if isinstance(exchange, FixedBufferExchange):
+            found.append((name, exchange))
+    return found
+
+
+def _overflow_table(model: nn.Module) -> tuple[list[tuple[str, FixedBufferExchange]], torch.Tensor]:
+    """Every fixed exchange of ``model`` and, per exchange and destination, the most rows that
+    did not fit on any rank since the last reset: one all-reduce (MAX) over the default group,
+    so every rank sees the same table."""
+    found = _fixed_exchanges(model)
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} holds no 'fixed' exchange; parallelize its experts with "
+            "exchange='fixed'"
+        )
+    dev = next((ex.overflow.device for _, ex in found if ex.overflow is not None), "cpu")
+    table = torch.stack([
+        torch.zeros(ex.mesh.size(), dtype=torch.int64, device=dev) if ex.overflow is None
+        else ex.overflow.detach().to(dev) for _, ex in found
+    ])  # fmt: skip
+    if dist.is_initialized():
+        dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return found, table.cpu()
+
+
+def exchange_overflowed(model: nn.Module) -> bool:
+    """Whether any fixed exchange of ``model`` had rows that did not fit, on any rank, since the
+    counters were last reset (:func:`reset_overflow`); one host read and one all-reduce."""
+    _, table = _overflow_table(model)
+    return bool(table.max() > 0)
+
+
+def reset_overflow(model: nn.Module) -> None:
+    """Zero the overflow records of every fixed exchange of ``model`` (no collective)."""
+    for _, exchange in _fixed_exchanges(model):
+        if exchange.overflow is not None:
+            exchange.overflow.zero_()
+
+
+def check_exchanges(model: nn.Module) -> None:
+    """The strict policy: raise the same ``RuntimeError`` on every rank when rows did not fit,
+    naming the layer, the rank pair, the rows and the factor that would have held them; then
+    reset the records. One host read and one all-reduce; call it once per step, after the
+    backward (where the loss is read) and before the optimizer steps."""
+    found, table = _overflow_table(model)
+    reset_overflow(model)
+    if table.max() <= 0:
+        return
+    i, q = divmod(int(table.argmax()), table.shape[1])
+    name, exchange = found[i]
+    rows = int(table[i, q])
+    C = exchange.last_rows_per_pair
+    needed = exchange.buffer_factor * (C + rows) / C
+    raise RuntimeError(
+        f"the fixed exchange of {name or '<root>'!r} over {exchange.mesh} had {rows} rows that "
+        f"did not fit its buffer of {C} rows towards rank {exchange.ranks[q]} (buffer_factor="
+        f"{exchange.buffer_factor}); a buffer_factor of {needed:.2f} would have held them. "
+        "Raise it (set_buffer_factor), or run the step with step_without_overflow, which "
+        "grows it and runs the step again"
+    )
+
+
+def set_buffer_factor(model: nn.Module, factor: float) -> None:
+    """Set ``buffer_factor`` on every fixed exchange of ``model`` (the same on every rank)."""
+    for _, exchange in _fixed_exchanges(model):
+        if not (math.isfinite(factor) and factor >= 1.0):
+            raise ValueError(f"buffer_factor must be a finite number >= 1.0, got {factor!r}")
+        exchange.buffer_factor = float(factor)
+
+
+# Note [Re-running an overflowed step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``step_without_overflow(model, step)`` runs ``step()`` (forward and backward, no optimizer
+# step), reads the overflow records once (one all-reduce, so every rank decides alike) and, if
+# any rank overflowed, zeroes the grads, puts the routers' counters back as they were before
+# the step, grows ``buffer_factor`` on every rank and runs the same ``step()`` again, up to
+# ``max_tries`` times. No parameter, optimizer state or counter keeps anything of an overflowed
+# run, and no batch is lost. A grown factor changes the buffers' shapes, so a compiled model
+# compiles once more for it. With a GradScaler, call ``scaler.scale(loss).backward()`` inside
+# ``step`` and ``scaler.step``/``scaler.update`` after: an overflowed run never reaches them.
+# Under a pipeline schedule, ``step`` is the schedule's ``step`` call.
+
+
+def step_without_overflow(
+    model: nn.Module, step: Callable[[], Any], *, grow: float = 1.5, max_tries: int = 4
+) -> Any:
+    """Run ``step()`` until no fixed exchange of ``model`` overflows on any rank (Note
+    [Re-running an overflowed step]); returns what the last run returned."""
+    if not (grow > 1.0 and max_tries >= 1):
+        raise ValueError(f"step_without_overflow needs grow > 1 and max_tries >= 1, got {grow}, "
+                         f"{max_tries}")  # fmt: skip
+    counters = [(b, b.detach().clone()) for m in model.modules() for n, b in
+                m.named_buffers(recurse=False) if n in ("tokens_per_expert", "dropped_per_expert")]
+    reset_overflow(model)
+    for attempt in range(max_tries):
+        out = step()
+        if not exchange_overflowed(model):
+            return out
+        reset_overflow(model)
+        for p in model.parameters():
+            p.grad = None
+        for buffer, before in counters:
+            buffer.copy_(before)
+        if attempt + 1 < max_tries:
+            factor = max(ex.buffer_factor for _, ex in _fixed_exchanges(model)) * grow
+            set_buffer_factor(model, factor)
+    raise RuntimeError(
+        f"step_without_overflow: rows still did not fit after {max_tries} runs (buffer_factor "
+        f"{max(ex.buffer_factor for _, ex in _fixed_exchanges(model))}); raise max_tries or grow"
+    )

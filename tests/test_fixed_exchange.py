@@ -1,0 +1,233 @@
+"""The fixed-buffer exchange (Note [Fixed-buffer exchange] in ``dtensor_moe/routed/fixed.py``),
+4 gloo ranks: parity with one process under every EP layout, its overflow policies (strict and
+re-run), no host read in a training step, and the layer compiled whole.
+
+Shape legend: B sequences per data shard, L tokens per sequence, D dim, E experts.
+"""
+
+# ruff: noqa: N806
+
+from __future__ import annotations
+
+import copy
+import os
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dtensor_moe import MoE, build_moe_meshes, parallelize_moe
+from dtensor_moe.moe import collect_aux_losses
+from dtensor_moe.routed.fixed import (
+    FixedBufferExchange,
+    check_exchanges,
+    exchange_overflowed,
+    set_buffer_factor,
+    step_without_overflow,
+)
+from tests._dist import DistTestBase
+from tests.test_parallel_moe import LAYOUTS, Case, ParallelRun, make_config, run_steps
+
+CASE = Case(2, 8, 2, 1)  # an even sequence: the same buffer on every rank under SP
+FULL = os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1"
+D = 16
+
+
+class SkewedRun(ParallelRun):
+    """Every token's selection pushed to experts 0 and 1 (rank 0's, under EP4) by a large
+    expert bias, which changes the routing but not the combine weights: at ``buffer_factor``
+    1.0 the pairs towards rank 0 cannot fit. Its forward and backward run through
+    :func:`step_without_overflow`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for model in (self.ref, self.model):
+            with torch.no_grad():
+                model.router.expert_bias[:2] = 100.0
+        set_buffer_factor(self.model, 1.0)
+        self.runs = 0
+
+    def distributed_forward_backward(self):
+        def step():
+            self.runs += 1
+            return super(SkewedRun, self).distributed_forward_backward()
+
+        return step_without_overflow(self.model, step)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a device value on the host or give it a data-dependent shape."""
+
+    READS = {"_local_scalar_dense", "nonzero", "item", "masked_select", "unique"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class FixedExchangeTest(DistTestBase):
+    @with_comms
+    def test_every_ep_layout_matches_one_process(self):
+        """3 training steps of each EP layout with the fixed exchange, against one process:
+        output, input grad, every param grad, aux loss, expert bias, params (at 1e-5)."""
+        layouts = ["ep4", "sp2ep2", "ep2tp2"] + (
+            ["ep2", "sp2ep4", "ep2tp2_gather", "tp2ep2"] if FULL else []
+        )
+        for name in layouts:
+            run_steps(ParallelRun(LAYOUTS[name], CASE, self.rank, exchange="fixed"), name)
+        run = ParallelRun(LAYOUTS["ep4"], CASE, self.rank, exchange="fixed",
+                          score_before_experts=True, hidden_dim=8)  # fmt: skip
+        run_steps(run, "ep4 score_before_experts, H < D")
+
+    @with_comms
+    def test_matches_the_all_to_all_exchange(self):
+        """With no overflow, the same output and gradients as the all-to-all exchange with
+        every row sent (``overlap=False``): the received rows are grouped in the same order,
+        the buffer's empty slots are zero rows of the last expert's group, so only the
+        matmuls' blocking over a longer group may round differently (bounded here at 1e-6)."""
+        meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
+        torch.manual_seed(0)
+        ref = MoE(make_config(CASE))
+        x = torch.randn(CASE.B, CASE.L, D, generator=torch.Generator().manual_seed(self.rank))
+        results = []
+        for exchange, overlap in (("fixed", True), ("all_to_all", False)):
+            model = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
+                                    exchange=exchange, ep_overlap=overlap)  # fmt: skip
+            xi = x.clone().requires_grad_()
+            y = model(xi)
+            y.square().sum().backward()
+            results.append([y, xi.grad, *(p.grad.to_local() if hasattr(p.grad, "to_local")
+                                          else p.grad for p in model.parameters())])  # fmt: skip
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+    @with_comms
+    def test_uneven_shards_are_refused_on_every_rank(self):
+        """Under SP with a sequence that tp does not divide, the ranks' buffers differ: every
+        rank raises the same error before the exchange's collectives."""
+        run = ParallelRun(LAYOUTS["sp2ep2"], Case(2, 7, 2, 1), self.rank, exchange="fixed")
+        with self.assertRaisesRegex(
+            ValueError,
+            r"the 'fixed' exchange over DeviceMesh\(.*\) needs the same buffer on every rank, "
+            r"got rank \d: 16, rank \d: 8 rows per rank pair",
+        ):
+            run.distributed_forward_backward()
+
+    @with_comms
+    def test_strict_policy_names_the_layer_the_pair_and_the_factor(self):
+        """Rows that do not fit are recorded on the device and read once: the same error on
+        every rank, naming the layer, the rank pair, the rows and the factor that holds them."""
+        run = SkewedRun(LAYOUTS["ep4"], CASE, self.rank, exchange="fixed")
+        ParallelRun.distributed_forward_backward(run)  # the step itself does not read
+        self.assertTrue(exchange_overflowed(run.model))
+        with self.assertRaisesRegex(
+            RuntimeError,
+            r"the fixed exchange of 'experts' over DeviceMesh\(.*\) had 24 rows that did not "
+            r"fit its buffer of 8 rows towards rank 0 \(buffer_factor=1.0\); a buffer_factor of "
+            r"4.00 would have held them",
+        ):
+            check_exchanges(run.model)
+        self.assertFalse(exchange_overflowed(run.model))  # the records are reset
+        check_exchanges(run.model)
+
+    @with_comms
+    def test_rerun_policy_trains_as_one_process(self):
+        """``step_without_overflow``: the overflowed run leaves no grad, counter or bias behind,
+        the factor grows on every rank, and 3 steps match one process."""
+        run = SkewedRun(LAYOUTS["ep4"], CASE, self.rank, exchange="fixed")
+        run_steps(run, "ep4 skewed, re-run")
+        exchange = run.model.experts.exchange
+        self.assertIsInstance(exchange, FixedBufferExchange)
+        self.assertGreater(run.runs, 3)  # at least one re-run
+        self.assertGreaterEqual(exchange.buffer_factor, 1.5)
+
+    @with_comms
+    def test_a_training_step_reads_nothing_on_the_host(self):
+        """After the first step (the one-time checks), a training step of the fixed exchange
+        under EP4 reads no device value on the host; the all-to-all exchange reads its sizes."""
+        meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
+        torch.manual_seed(0)
+        config = make_config(CASE, aux_loss_coeff=0.0, use_expert_bias=False)
+        x = torch.randn(CASE.B, CASE.L, D, generator=torch.Generator().manual_seed(self.rank))
+        reads = {}
+        for exchange in ("fixed", "all_to_all"):
+            model = parallelize_moe(MoE(config), meshes, sequence_parallel=False,
+                                    exchange=exchange)  # fmt: skip
+            model(x).sum().backward()
+            calls: list[str] = []
+
+            def counting(name, real):
+                def method(t, *args, **kwargs):
+                    calls.append(name)
+                    return real(t, *args, **kwargs)
+
+                return method
+
+            with mock.patch.object(torch.Tensor, "tolist", counting("tolist", torch.Tensor.tolist)), \
+                    mock.patch.object(torch.Tensor, "item", counting("item", torch.Tensor.item)), \
+                    HostReads() as mode:  # fmt: skip
+                with collect_aux_losses():
+                    model(x).sum().backward()
+            reads[exchange] = (len(calls) + len(mode.seen))
+        self.assertEqual(reads["fixed"], 0)
+        self.assertEqual(reads["all_to_all"], 3)
+
+    @with_comms
+    def test_compiled_whole(self):
+        """``torch.compile`` of the parallel layer with the fixed exchange, after one eager
+        step (the one-time checks): in evaluation ``fullgraph=True`` with inductor, one graph
+        over 5 steps of new data; in training one break (the router's counter update, last),
+        no recompile; outputs and every grad match eager at 1e-5 (of each grad's largest
+        entry: inductor's fused kernels round differently)."""
+        meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
+        torch.manual_seed(0)
+        ref = MoE(make_config(CASE, aux_loss_coeff=0.0))
+        eager = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
+                                exchange="fixed")  # fmt: skip
+        traced = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
+                                 exchange="fixed")  # fmt: skip
+        g = torch.Generator().manual_seed(self.rank)
+        xs = [torch.randn(CASE.B, CASE.L, D, generator=g) for _ in range(6)]
+        for model in (eager, traced):
+            model(xs[0]).sum().backward()
+            model.zero_grad()
+        compiled = torch.compile(traced)
+        torch._dynamo.reset()
+        counters.clear()
+        for x in xs[1:]:
+            y_e, y_c = eager(x), compiled(x)
+            y_e.square().sum().backward()
+            y_c.square().sum().backward()
+            torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
+            for (name, a), b in zip(eager.named_parameters(), traced.parameters(), strict=True):
+                ga = a.grad.to_local() if hasattr(a.grad, "to_local") else a.grad
+                gb = b.grad.to_local() if hasattr(b.grad, "to_local") else b.grad
+                scale = ga.abs().max().item()  # inductor's fusions round differently
+                torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-5 * scale, msg=name)
+            eager.zero_grad()
+            traced.zero_grad()
+        self.assertEqual(counters["stats"]["unique_graphs"], 1)
+        self.assertEqual(sum(counters["graph_break"].values()), 1)
+        eager.eval()
+        traced.eval()
+        torch._dynamo.reset()
+        counters.clear()
+        whole = torch.compile(traced, fullgraph=True)
+        with torch.no_grad():
+            for x in xs[1:]:
+                torch.testing.assert_close(whole(x), eager(x), rtol=1e-5, atol=1e-6)
+        self.assertEqual(counters["stats"]["unique_graphs"], 1)
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -379,19 +379,22 @@ def _parallel_input(args, layout: ParallelLayout, meshes, dtype) -> tuple[torch.
 def _captured_rows(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The routed rows and counts that reach this rank's experts in one forward (the received
     rows and the own rows together, grouped by local expert)."""
+    import dtensor_moe.routed.experts as plan_module
+
     seen = []
-    finish = moe.experts.finish  # every expert computation ends there (own and received rows)
+    finish = plan_module.finish  # every expert computation ends there (own and received rows)
 
-    def capture(started, source_SD, scores, layout, weights):
-        seen.append((permute_tokens(source_SD, layout).detach(), layout.counts_e.tolist()))
-        return finish(started, source_SD, scores, layout, weights)
+    def capture(started, weights):
+        rows_RD = permute_tokens(started.source, started.layout).detach()
+        seen.append((rows_RD, started.layout.counts_e.tolist()))
+        return finish(started, weights)
 
-    moe.experts.finish = capture
+    plan_module.finish = capture
     try:
         with torch.no_grad():
             moe(x)
     finally:
-        del moe.experts.finish
+        plan_module.finish = finish
     groups, counts = [], []
     for j in range(len(seen[0][1])):
         parts = [rows.split(c)[j] for rows, c in seen]

@@ -111,7 +111,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_moe.routed.exchange import (
     FEATURES,
@@ -135,7 +134,7 @@ from dtensor_moe.routed.layouts import (
     unpermute_rows,
 )
 
-__all__ = ["AllToAllExchange", "replicate_over_etp"]
+__all__ = ["AllToAllExchange", "destinations", "replicate_over_etp"]
 
 
 class Exchange:
@@ -295,6 +294,25 @@ def replicate_over_etp(
     return ids_TKR.flatten(1), counts_X
 
 
+def destinations(
+    scores_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    counts_E: torch.Tensor,
+    *,
+    experts_per_rank: int,
+    replicas: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row destination ids ``q * e + j``, their scores and counts: the pairs themselves
+    without expert TP, else each replicated over its ``replicas`` ranks (:func:`replicate_over_etp`,
+    the scores alike)."""
+    if replicas == 1:
+        return topk_ids_TK, scores_TK, counts_E
+    ids_TX, counts_X = replicate_over_etp(
+        topk_ids_TK, counts_E, experts_per_rank=experts_per_rank, replicas=replicas
+    )
+    return ids_TX, scores_TK.repeat_interleave(replicas, dim=1), counts_X
+
+
 def _inverse(order: torch.Tensor) -> torch.Tensor:
     """The inverse permutation of ``order``: ``_inverse(order)[order[i]] == i``."""
     return torch.empty_like(order).index_put_(
@@ -420,7 +438,10 @@ class AllToAllExchange(TokenExchange):
         With a ``capacity`` (Note [Expert capacity] in ``dtensor_moe/moe/capacity.py``), the
         dropped pairs are not sent; with ``pad_to_capacity`` the exchange is static (Note
         [Static exchange at capacity])."""
-        ids_TX, scores_TX, counts_X = self._destinations(scores_TK, topk_ids_TK, counts_E)
+        ids_TX, scores_TX, counts_X = destinations(
+            scores_TK, topk_ids_TK, counts_E, experts_per_rank=self.experts_per_rank,
+            replicas=self.replicas,
+        )  # fmt: skip
         if capacity is not None and capacity.padded:
             return self._dispatch_static(x_TD, ids_TX, scores_TX, counts_X, capacity)
         group, me, e = self.mesh.get_group(), self.rank, self.experts_per_rank
@@ -568,14 +589,3 @@ class AllToAllExchange(TokenExchange):
         runs through the same eager exchange ops (Note [Expert parallelism under
         torch.compile])."""
         return True
-
-    def _destinations(
-        self, topk_scores_TK: torch.Tensor, topk_ids_TK: torch.Tensor, counts_E: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-row destination ids ``q * e + j``, their scores and counts (replicas expanded)."""
-        if self.replicas == 1:
-            return topk_ids_TK, topk_scores_TK, counts_E
-        ids_TX, counts_X = replicate_over_etp(
-            topk_ids_TK, counts_E, experts_per_rank=self.experts_per_rank, replicas=self.replicas
-        )
-        return ids_TX, topk_scores_TK.repeat_interleave(self.replicas, dim=1), counts_X

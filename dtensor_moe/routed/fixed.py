@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from dtensor_moe.routed.all_to_all import replicate_over_etp
+from dtensor_moe.routed.all_to_all import destinations
 from dtensor_moe.routed.exchange import Received, Routed, TokenExchange, register_exchange
 from dtensor_moe.routed.layouts import (
     Capacity,
@@ -155,12 +155,9 @@ class FixedBufferExchange(TokenExchange):
     ) -> Routed:
         P, e = self.mesh.size(), self.experts_per_rank
         G, dev = P * e, topk_ids_TK.device
-        ids_TX, scores_TX, counts_X = topk_ids_TK, scores_TK, counts_E
-        if self.replicas > 1:
-            ids_TX, counts_X = replicate_over_etp(
-                topk_ids_TK, counts_E, experts_per_rank=e, replicas=self.replicas
-            )
-            scores_TX = scores_TK.repeat_interleave(self.replicas, dim=1)
+        ids_TX, scores_TX, counts_X = destinations(
+            scores_TK, topk_ids_TK, counts_E, experts_per_rank=e, replicas=self.replicas
+        )
         T, X = ids_TX.shape
         C = self.last_rows_per_pair = self.rows_per_pair(T * X)
         ids_N = ids_TX.reshape(-1).clamp(max=G)  # dropped for capacity: past every destination

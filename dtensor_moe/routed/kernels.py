@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from dtensor_moe import _compat
 from dtensor_moe.moe.config import ComputePath, autocast_off
 from dtensor_moe.routed.layouts import ExpertLayout, permute_tokens
 

@@ -74,6 +74,24 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class NanIntoCollectives(TorchDispatchMode):
+    """Records the functional collectives that get a NaN in a tensor argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+        self.checked = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # the collectives themselves (not wait_tensor, nor the wrap of a buffer being filled)
+        if func.namespace == "_c10d_functional" and func.__name__.startswith(("all_", "reduce")):
+            self.checked += 1
+            if any(isinstance(a, torch.Tensor) and a.is_floating_point() and bool(a.isnan().any())
+                   for a in args):  # fmt: skip
+                self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 class FixedExchangeTest(DistTestBase):
     @with_comms
     def test_every_ep_layout_matches_one_process(self):
@@ -91,9 +109,9 @@ class FixedExchangeTest(DistTestBase):
     @with_comms
     def test_matches_the_all_to_all_exchange(self):
         """With no overflow, the same output and gradients as the all-to-all exchange with
-        every row sent (``overlap=False``): the received rows are grouped in the same order,
-        the buffer's empty slots are zero rows of the last expert's group, so only the
-        matmuls' blocking over a longer group may round differently (bounded here at 1e-6)."""
+        every row sent (``overlap=False``), bit for bit: the received rows are grouped in the
+        same order and the grouped matmuls end at the last real row, so each expert's group is
+        the same rows in both."""
         meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
         torch.manual_seed(0)
         ref = MoE(make_config(CASE))
@@ -108,7 +126,44 @@ class FixedExchangeTest(DistTestBase):
             results.append([y, xi.grad, *(p.grad.to_local() if hasattr(p.grad, "to_local")
                                           else p.grad for p in model.parameters())])  # fmt: skip
         for a, b in zip(*results, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    @with_comms
+    def test_unwritten_rows_reach_no_output_or_gradient(self):
+        """Note [Rows past the last offset]: with every ``torch._grouped_mm`` row past the last
+        offset set to NaN (what an unwritten row may hold), in forward and in backward, a
+        training step under EP4 sends no NaN through any collective (which NCCL's
+        ``TORCH_NCCL_NAN_CHECK`` would refuse) and gives the same output and gradients."""
+        meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
+        torch.manual_seed(0)
+        ref = MoE(make_config(CASE, aux_loss_coeff=0.0))
+        x = torch.randn(CASE.B, CASE.L, D, generator=torch.Generator().manual_seed(self.rank))
+        real = torch._grouped_mm
+
+        def nan_past_the_last_offset(a, b, *args, offs=None, **kwargs):
+            out = real(a, b, *args, offs=offs, **kwargs)
+            if out.dim() == 2 and offs is not None:  # rows grouped (not a weight gradient)
+                with torch.no_grad():
+                    out[int(offs[-1]):] = float("nan")
+            return out
+
+        results = []
+        for patched in (False, True):
+            model = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
+                                    exchange="fixed")  # fmt: skip
+            xi = x.clone().requires_grad_()
+            with mock.patch.object(torch, "_grouped_mm",
+                                   nan_past_the_last_offset if patched else real), \
+                    NanIntoCollectives() as mode:  # fmt: skip
+                y = model(xi)
+                y.square().sum().backward()
+            self.assertEqual(mode.seen, [])
+            self.assertGreaterEqual(mode.checked, 5)  # forward 3, backward 2
+            results.append([y, xi.grad, *(p.grad.to_local() if hasattr(p.grad, "to_local")
+                                          else p.grad for p in model.parameters())])  # fmt: skip
+        for a, b in zip(*results, strict=True):
+            self.assertTrue(bool(torch.isfinite(b).all()))
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
 
     @with_comms
     def test_uneven_shards_are_refused_on_every_rank(self):
@@ -227,6 +282,24 @@ class FixedExchangeTest(DistTestBase):
                 torch.testing.assert_close(whole(x), eager(x), rtol=1e-5, atol=1e-6)
         self.assertEqual(counters["stats"]["unique_graphs"], 1)
         dist.barrier()
+
+
+def test_grouped_mm_leaves_rows_past_the_last_offset():
+    """Why the fixed exchange guards its rows (Note [Rows past the last offset]): torch 2.13's
+    ``torch._grouped_mm`` computes no row past its last offset, in forward or in the input
+    gradient; those rows hold whatever the buffer held, not the product."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 16, requires_grad=True)
+    w = torch.randn(2, 16, 16, requires_grad=True)
+    offs = torch.tensor([8, 24], dtype=torch.int32)
+    out = torch._grouped_mm(x, w, offs=offs)
+    torch.testing.assert_close(out[:8], x[:8] @ w[0])
+    torch.testing.assert_close(out[8:24], x[8:24] @ w[1])
+    assert not torch.equal(out[24:], x[24:] @ w[1])  # unwritten: not the product
+    (grad_x,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    torch.testing.assert_close(grad_x[:8], torch.ones(8, 16) @ w[0].T)
+    torch.testing.assert_close(grad_x[8:24], torch.ones(16, 16) @ w[1].T)
+    assert not torch.equal(grad_x[24:], torch.ones(40, 16) @ w[1].T)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,12 @@ the layer (``reads_host_sizes`` is ``False``):
    travel ahead as a fixed ``P * e`` all-to-all; the rows, each with its combine weight as one
    more column, as one ``(P * C, D + 1)`` all-to-all with equal splits. Empty slots are zero.
 2. the receiver groups its ``P * C`` rows by local expert on the device (an ``argsort`` of a key
-   built from the received counts); the empty slots go last, into the last expert's group as
-   zero rows, so they give zero outputs and zero gradients (``torch._grouped_mm`` offsets from
-   the device counts). The experts run on that buffer, whatever the counts.
+   built from the received counts), the empty slots last. The ``torch._grouped_mm`` offsets
+   (from the device counts) end at the last real row, so the experts compute the rows that
+   arrived, not the buffer. ``torch._grouped_mm`` leaves the output rows past its last offset
+   (and, in backward, those input-gradient rows) unwritten; the moves between slot order and
+   expert order write zeros there on the device, so no unwritten value travels or reaches a
+   gradient (Note [Rows past the last offset]).
 3. the outputs return in slot order by the reverse all-to-all, and each token sums its rows.
 
 A pair whose place in its destination's block is ``C`` or more does not fit: it is not sent and
@@ -57,6 +60,7 @@ from dtensor_moe.routed.layouts import (
     DeviceCounts,
     PaddedPairs,
     PairSubset,
+    PositionalFunction,
     pack_rows,
     unpermute_and_reduce,
 )
@@ -108,6 +112,7 @@ class FixedBufferExchange(TokenExchange):
         self.overflow: torch.Tensor | None = None
         self.last_rows_per_pair = 0  # C of the last forward, for the strict policy's message
         self._agreed: set[int] = set()  # the C every rank of the mesh was checked to use
+        self._last_sent_P: torch.Tensor | None = None  # rows sent per destination, last forward
         self._group = self.mesh.get_group()  # traced as a constant (a mesh's submesh is not)
 
     def rows_per_pair(self, num_pairs: int) -> int:
@@ -170,6 +175,7 @@ class FixedBufferExchange(TokenExchange):
         slot_N = torch.where(fits_N, dest_N * C + place_N, P * C)  # no fit: the void row
         row_TX = torch.empty_like(order_N).index_put_((order_N,), slot_N).view(T, X)
         self._record_overflow((per_rank_P - C).clamp(min=0))
+        self._last_sent_P = per_rank_P.clamp(max=C).detach()
         sent = PaddedPairs(
             token_N=torch.div(order_N, X, rounding_mode="floor"), order_N=order_N, row_N=slot_N,
             row_TK=row_TX, counts_e=per_rank_P.clamp(max=C), num_rows=P * C, void_row=True,
@@ -177,7 +183,7 @@ class FixedBufferExchange(TokenExchange):
         rows_MD1 = pack_rows(x_TD, scores_TX, sent, scaled=self.score_before_experts)
         arrived_Pe = funcol.all_to_all_single(counts_X, None, None, self._group).view(P, e)
         rows_MD1 = funcol.all_to_all_single_autograd(rows_MD1, None, None, self._group)
-        perm_M, counts_e = _group_by_expert(arrived_Pe, C)
+        perm_M, counts_e, inv_M, filled_M1 = _group_by_expert(arrived_Pe, C)
         return Routed(
             source=x_TD,
             scores=scores_TX,
@@ -189,27 +195,33 @@ class FixedBufferExchange(TokenExchange):
             row_TK=row_TX,
             order_N=None,
             void_row=True,
-            exchange=(rows_MD1, perm_M, counts_e),
+            exchange=(rows_MD1, perm_M, counts_e, inv_M, filled_M1),
         )
 
     def receive(self, routed: Routed) -> Received:
-        """The received rows and their weights grouped by local expert, padding last."""
-        rows_MD1, perm_M, counts_e = routed.exchange  # the first use waits for the rows
+        """The received rows and their weights grouped by local expert, empty slots last."""
+        rows_MS, perm_M, counts_e, inv_M, filled_M1 = routed.exchange  # the first use waits
         layout = DeviceCounts(counts_e=counts_e, num_rows=perm_M.numel())
-        if self.score_before_experts:
-            return Received(rows=rows_MD1.index_select(0, perm_M), scores=None, layout=layout)
-        rows_MD = rows_MD1[:, :-1].index_select(0, perm_M)  # a fresh, aligned buffer
-        return Received(rows=rows_MD, scores=rows_MD1[:, -1].index_select(0, perm_M),
-                        layout=layout)  # fmt: skip
+        split = not self.score_before_experts  # the weights travel as the last column
+        rows_MD, scores_M = _Regroup.run(rows_MS, perm_M, inv_M, filled_M1, split)
+        return Received(rows=rows_MD, scores=scores_M if split else None, layout=layout)
 
     def send_back(self, out_RD: torch.Tensor, routed: Routed) -> torch.Tensor:
         """The outputs back in slot order, and on their way to the ranks they came from."""
-        _, perm_M, _ = routed.exchange
-        in_slots_MD = torch.empty_like(out_RD).index_copy(0, perm_M, out_RD)
+        _, perm_M, _, inv_M, filled_M1 = routed.exchange
+        in_slots_MD = _Restore.run(out_RD, perm_M, inv_M, filled_M1)
         return funcol.all_to_all_single_autograd(in_slots_MD, None, None, self._group)
 
     def _combine(self, local_RD: torch.Tensor, routed: Routed, returning: Any) -> torch.Tensor:
         return unpermute_and_reduce(returning, routed.row_TK, None, void_row=True)
+
+    @property
+    def last_fill(self) -> float | None:
+        """The share of this rank's sent buffer slots that held rows in the last forward (a
+        host read; ``None`` before any forward): how much of ``buffer_factor`` was used."""
+        if self._last_sent_P is None:
+            return None
+        return float(self._last_sent_P.sum()) / (self.mesh.size() * self.last_rows_per_pair)
 
     def reads_host_sizes(self, capacity: Capacity | None = None) -> bool:
         """Never: every size is known from the shapes."""
@@ -224,20 +236,94 @@ class FixedBufferExchange(TokenExchange):
         return f"{super().__repr__()[:-1]}, buffer_factor={self.buffer_factor})"
 
 
-def _group_by_expert(arrived_Pe: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_by_expert(
+    arrived_Pe: torch.Tensor, C: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The order that groups the received ``(P, C)`` slots by local expert (source rank, then
-    slot, inside a group; the empty slots last), and each expert's row count, the empty slots
-    added to the last expert's. All on the device."""
+    slot, inside a group; the empty slots last), each expert's row count, the inverse order, and
+    a ``(P * C, 1)`` mask of the slots that hold rows. All on the device."""
     P, e = arrived_Pe.shape
     dev = arrived_Pe.device
     ends_Pe = torch.cumsum(arrived_Pe, 1).clamp(max=C)  # what fits of each block
     slot_C = torch.arange(C, device=dev)
     expert_PC = torch.searchsorted(ends_Pe, slot_C.expand(P, C).contiguous(), right=True)
-    key_PC = expert_PC * (P * C) + torch.arange(P * C, device=dev).view(P, C)  # empty: e
-    perm_M = torch.argsort(key_PC.reshape(-1))
+    slots_M = torch.arange(P * C, device=dev)
+    perm_M = torch.argsort((expert_PC * (P * C)).view(-1) + slots_M)  # empty: expert e, last
+    inv_M = torch.empty_like(perm_M).index_put_((perm_M,), slots_M)
     counts_e = torch.diff(ends_Pe, dim=1, prepend=ends_Pe.new_zeros(P, 1)).sum(0)
-    counts_e[-1] += P * C - counts_e.sum()  # the empty slots: zero rows in the last group
-    return perm_M, counts_e
+    filled_M1 = (slot_C < ends_Pe[:, -1:]).view(P * C, 1)
+    return perm_M, counts_e, inv_M, filled_M1
+
+
+# Note [Rows past the last offset]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The grouped experts get the whole ``P * C`` buffer, real rows first, and offsets that end at
+# the last real row: ``torch._grouped_mm`` computes no row past it, and leaves those output
+# rows unwritten (whatever the allocator held, NaN included), in forward and in its input
+# gradient. The two moves between slot order and expert order therefore write zeros wherever
+# an empty slot would take such a row: ``_Restore`` (outputs to slots) in its forward,
+# ``_Regroup`` (received slots to expert order) in its backward, with ``torch.where``, which
+# selects and never multiplies. Every op between them is row-wise or reads the row groups
+# only, so nothing unwritten reaches a real row, an output or a gradient.
+# ``tests/test_fixed_exchange.py::test_grouped_mm_leaves_rows_past_the_last_offset`` shows
+# the unwritten rows these guards are for.
+
+
+class _Regroup(PositionalFunction):
+    """``rows_MS.index_select(0, perm_M)``: the received slots in expert order; with ``split``,
+    the rows and the weights of the last column apart (the rows a fresh, aligned buffer).
+    Backward: the inverse gather, the empty slots zero (Note [Rows past the last offset])."""
+
+    @staticmethod
+    def forward(
+        rows_MS: torch.Tensor,
+        perm_M: torch.Tensor,
+        inv_M: torch.Tensor,
+        filled_M1: torch.Tensor,
+        split: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not split:
+            return rows_MS.index_select(0, perm_M), rows_MS.new_empty(0)
+        return rows_MS[:, :-1].index_select(0, perm_M), rows_MS[:, -1].index_select(0, perm_M)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        rows_MS, _, inv_M, filled_M1, split = inputs
+        ctx.save_for_backward(inv_M, filled_M1)
+        ctx.split, ctx.width = split, rows_MS.shape[-1]
+
+    @staticmethod
+    def backward(ctx: Any, grad_MD: torch.Tensor, grad_M: torch.Tensor) -> tuple:
+        inv_M, filled_M1 = ctx.saved_tensors
+        zero = grad_MD.new_zeros(())
+        if not ctx.split:
+            return torch.where(filled_M1, grad_MD.index_select(0, inv_M), zero), *(None,) * 4
+        grad_MS = grad_MD.new_empty(grad_MD.shape[0], ctx.width)
+        rows_MD = torch.where(filled_M1, grad_MD.index_select(0, inv_M), zero)
+        scores_M = torch.where(filled_M1[:, 0], grad_M.index_select(0, inv_M), zero)
+        grad_MS[:, :-1], grad_MS[:, -1] = rows_MD, scores_M  # dynamo takes no strided out=
+        return grad_MS, *(None,) * 4
+
+
+class _Restore(PositionalFunction):
+    """``out_RD.index_select(0, inv_M)``: the expert outputs in slot order, the empty slots zero
+    (Note [Rows past the last offset]). Backward: the gather in expert order; the rows past the
+    last offset take the empty slots' gradients, which no kernel reads."""
+
+    @staticmethod
+    def forward(
+        out_RD: torch.Tensor, perm_M: torch.Tensor, inv_M: torch.Tensor, filled_M1: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.where(filled_M1, out_RD.index_select(0, inv_M), out_RD.new_zeros(()))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_MD: torch.Tensor) -> tuple:
+        (perm_M,) = ctx.saved_tensors
+        return grad_MD.index_select(0, perm_M), None, None, None
 
 
 def _fixed_exchanges(model: nn.Module) -> list[tuple[str, FixedBufferExchange]]:

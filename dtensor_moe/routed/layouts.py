@@ -130,7 +130,9 @@ class InOrder(Rows):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceCounts(InOrder):
     """:class:`InOrder` rows of a fixed buffer, whose counts stay on the device: the plan never
-    reads them on the host, and the experts run on all ``num_rows`` rows (``fixed.py``)."""
+    reads them on the host. The counts may sum to fewer than ``num_rows``: the experts compute
+    the rows up to their sum, and the rows past it are the exchange's to mask (Note [Rows past
+    the last offset] in ``fixed.py``)."""
 
 
 ExpertLayout: TypeAlias = SortedPairs | PaddedPairs | PairSubset | InOrder

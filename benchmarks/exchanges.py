@@ -20,7 +20,7 @@ compiled layer runs one eager forward first (the fixed exchange agrees on its bu
 
 Also printed per exchange: the bytes one training forward saves for backward, per rank (the
 largest over ranks; ``benchmarks/moe_memory.py``'s count), and, for the fixed exchange, the
-share of its buffer's slots that held rows.
+share of the fullest rank pair's ``C`` slots that held rows in the last forward.
 
 On CPU, gloo runs an equal-split all-to-all (the fixed exchange's) as an all-gather of every
 rank's whole buffer and a chunk of it: each rank receives ``P`` times the bytes it keeps.
@@ -127,7 +127,7 @@ def _layers(
 
 
 def _fill(layer: Any) -> float | None:
-    """The share of the fixed exchange's buffer slots that held rows in the last forward."""
+    """The share of the fixed exchange's fullest rank pair's slots used in the last forward."""
     from dtensor_moe.routed.fixed import FixedBufferExchange
 
     for module in layer.modules():
@@ -247,7 +247,7 @@ def main() -> None:
             f"{n} {b / 2**20:.2f} MiB" for n, b in saved.items()
         )
         if result["fill"] is not None:
-            line += f"; fixed buffer slots used {result['fill']:.1%} (the fullest rank)"
+            line += f"; fixed buffer slots used {result['fill']:.1%} (the fullest pair)"
         print(line)
 
 

@@ -218,15 +218,19 @@ def test_down_backward_benchmark_compares_the_four_variants():
 
 
 def test_exchanges_benchmark_prints_a_ratio_per_preset_and_layout():
-    # both exchanges in the same 4 processes, one preset at EP2 and EP4
-    out = _run("benchmarks/exchanges.py", "--presets", "qwen3", "--layouts", "ep2,ep4",
-               "--tokens", "32", "--dim", "16", "--warmup", "1", "--repeats", "2")  # fmt: skip
-    assert out.startswith("exchange all_gather / all_to_all, layer step (forward + backward): "
+    # the fixed and all-to-all exchanges in the same 4 processes, one preset at EP4 and SP2+EP2
+    out = _run("benchmarks/exchanges.py", "--exchanges", "fixed,all_to_all", "--presets", "qwen3",
+               "--layouts", "ep4,sp2ep", "--tokens", "32", "--dim", "16", "--warmup", "1",
+               "--repeats", "2")  # fmt: skip
+    assert out.startswith("exchange fixed / all_to_all, layer step (forward + backward): "
                           "4 gloo processes x 1 thread(s), tokens=32 per rank, dim=16, "), out
+    assert out.splitlines()[0].endswith("buffer_factor=1.25"), out
     ratio = r"[\d.]+ \(quartiles [\d.]+-[\d.]+\)"
     lines = re.findall(rf"^preset=(\S+) layout=(\S+) experts=\d+ top_k=\d+ hidden=\d+ shared=\d+: "
-                       rf"all_gather [\d.]+ ms, all_to_all [\d.]+ ms; all_gather / all_to_all "
-                       rf"{ratio}; process CPU per rank {ratio}$", out, re.M)  # fmt: skip
-    assert lines == [("qwen3", "ep2"), ("qwen3", "ep4")], out
+                       rf"fixed [\d.]+ ms, all_to_all [\d.]+ ms; fixed / all_to_all "
+                       rf"{ratio}; process CPU per rank {ratio}; saved for backward per rank "
+                       rf"fixed [\d.]+ MiB, all_to_all [\d.]+ MiB; fixed buffer slots used "
+                       rf"[\d.]+% \(the fullest pair\)$", out, re.M)  # fmt: skip
+    assert lines == [("qwen3", "ep4"), ("qwen3", "sp2ep")], out
     err = _run("benchmarks/exchanges.py", "--pad-to-capacity", returncode=2)
     assert "--pad-to-capacity is not taken here" in err, err

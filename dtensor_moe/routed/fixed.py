@@ -217,11 +217,11 @@ class FixedBufferExchange(TokenExchange):
 
     @property
     def last_fill(self) -> float | None:
-        """The share of this rank's sent buffer slots that held rows in the last forward (a
-        host read; ``None`` before any forward): how much of ``buffer_factor`` was used."""
+        """The share of the ``C`` slots that this rank's fullest destination used in the last
+        forward (a host read; ``None`` before any forward); ``1.0``: at the edge, or over it."""
         if self._last_sent_P is None:
             return None
-        return float(self._last_sent_P.sum()) / (self.mesh.size() * self.last_rows_per_pair)
+        return float(self._last_sent_P.max()) / self.last_rows_per_pair
 
     def reads_host_sizes(self, capacity: Capacity | None = None) -> bool:
         """Never: every size is known from the shapes."""

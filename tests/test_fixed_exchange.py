@@ -26,6 +26,7 @@ from dtensor_moe.routed.fixed import (
     FixedBufferExchange,
     check_exchanges,
     exchange_overflowed,
+    needed_buffer_factor,
     set_buffer_factor,
     step_without_overflow,
 )
@@ -184,6 +185,7 @@ class FixedExchangeTest(DistTestBase):
         run = SkewedRun(LAYOUTS["ep4"], CASE, self.rank, exchange="fixed")
         ParallelRun.distributed_forward_backward(run)  # the step itself does not read
         self.assertTrue(exchange_overflowed(run.model))
+        self.assertEqual(needed_buffer_factor(run.model), 4.0)  # 32 rows, a share of 8
         with self.assertRaisesRegex(
             RuntimeError,
             r"the fixed exchange of 'experts' over DeviceMesh\(.*\) had 24 rows that did not "
@@ -192,6 +194,7 @@ class FixedExchangeTest(DistTestBase):
         ):
             check_exchanges(run.model)
         self.assertFalse(exchange_overflowed(run.model))  # the records are reset
+        self.assertEqual(needed_buffer_factor(run.model), 0.0)
         check_exchanges(run.model)
 
     @with_comms

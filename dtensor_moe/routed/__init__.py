@@ -27,7 +27,15 @@ from dtensor_moe.routed.layouts import (
     sort_by_expert,
     unpermute_and_reduce,
 )
-from dtensor_moe.routed.fixed import FixedBufferExchange
+from dtensor_moe.routed.fixed import (
+    FixedBufferExchange,
+    check_exchanges,
+    exchange_overflowed,
+    needed_buffer_factor,
+    reset_overflow,
+    set_buffer_factor,
+    step_without_overflow,
+)
 from dtensor_moe.routed.local import LocalExchange
 from dtensor_moe.routed.experts import GroupedExperts, RoutedPlan, local_expert_weight
 
@@ -47,15 +55,21 @@ __all__ = [
     "RoutedPlan",
     "SortedPairs",
     "TokenExchange",
+    "check_exchanges",
     "exchange_class",
     "exchange_names",
+    "exchange_overflowed",
     "grouped_swiglu",
     "in_order",
     "local_expert_weight",
+    "needed_buffer_factor",
     "permute_tokens",
     "register_exchange",
+    "reset_overflow",
     "resolve_compute_path",
     "scores_in_rows",
+    "set_buffer_factor",
     "sort_by_expert",
+    "step_without_overflow",
     "unpermute_and_reduce",
 ]

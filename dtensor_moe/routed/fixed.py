@@ -69,6 +69,7 @@ __all__ = [
     "FixedBufferExchange",
     "check_exchanges",
     "exchange_overflowed",
+    "needed_buffer_factor",
     "reset_overflow",
     "set_buffer_factor",
     "step_without_overflow",
@@ -113,6 +114,8 @@ class FixedBufferExchange(TokenExchange):
         self.last_rows_per_pair = 0  # C of the last forward, for the strict policy's message
         self._agreed: set[int] = set()  # the C every rank of the mesh was checked to use
         self._last_sent_P: torch.Tensor | None = None  # rows sent per destination, last forward
+        # the largest balanced share's multiple that one destination asked for (running max)
+        self.demand: torch.Tensor | None = None
         self._group = self.mesh.get_group()  # traced as a constant (a mesh's submesh is not)
 
     def rows_per_pair(self, num_pairs: int) -> int:
@@ -174,8 +177,7 @@ class FixedBufferExchange(TokenExchange):
         fits_N = (dest_N < P) & (place_N < C)
         slot_N = torch.where(fits_N, dest_N * C + place_N, P * C)  # no fit: the void row
         row_TX = torch.empty_like(order_N).index_put_((order_N,), slot_N).view(T, X)
-        self._record_overflow((per_rank_P - C).clamp(min=0))
-        self._last_sent_P = per_rank_P.clamp(max=C).detach()
+        self._record(per_rank_P, C, T * X)
         sent = PaddedPairs(
             token_N=torch.div(order_N, X, rounding_mode="floor"), order_N=order_N, row_N=slot_N,
             row_TK=row_TX, counts_e=per_rank_P.clamp(max=C), num_rows=P * C, void_row=True,
@@ -227,10 +229,17 @@ class FixedBufferExchange(TokenExchange):
         """Never: every size is known from the shapes."""
         return False
 
-    def _record_overflow(self, over_P: torch.Tensor) -> None:
+    def _record(self, per_rank_P: torch.Tensor, C: int, num_pairs: int) -> None:
+        """On the device: the running maxima of the rows that did not fit per destination and
+        of the factor the fullest destination needed; the rows sent, for :attr:`last_fill`."""
+        over_P = (per_rank_P - C).clamp(min=0)
+        needed = per_rank_P.max().to(torch.float32) * (self.mesh.size() / max(num_pairs, 1))
         if self.overflow is None or self.overflow.device != over_P.device:
             self.overflow = torch.zeros_like(over_P)
+            self.demand = torch.zeros((), dtype=torch.float32, device=over_P.device)
         torch.maximum(self.overflow, over_P, out=self.overflow)
+        torch.maximum(self.demand, needed, out=self.demand)
+        self._last_sent_P = per_rank_P.clamp(max=C).detach()
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, buffer_factor={self.buffer_factor})"
@@ -363,10 +372,34 @@ def exchange_overflowed(model: nn.Module) -> bool:
 
 
 def reset_overflow(model: nn.Module) -> None:
-    """Zero the overflow records of every fixed exchange of ``model`` (no collective)."""
+    """Zero the overflow and demand records of every fixed exchange of ``model`` (no
+    collective)."""
     for _, exchange in _fixed_exchanges(model):
         if exchange.overflow is not None:
             exchange.overflow.zero_()
+            exchange.demand.zero_()
+
+
+def needed_buffer_factor(model: nn.Module) -> float:
+    """The smallest ``buffer_factor`` that would have held every rank pair of every fixed
+    exchange of ``model`` since the records were last reset (:func:`reset_overflow`): the most
+    rows one rank sent one destination, over the balanced share ``tokens x top_k / ranks``
+    (before ``C``'s rounding up to 8, which holds a little more). One host read and one
+    all-reduce (MAX), so every rank gets the same value; ``0.0`` before any forward. Read it
+    over a few steps to choose the factor; it is highest early in training, when the routing
+    is most skewed."""
+    found = _fixed_exchanges(model)
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} holds no 'fixed' exchange; parallelize its experts with "
+            "exchange='fixed'"
+        )
+    dev = next((ex.demand.device for _, ex in found if ex.demand is not None), "cpu")
+    most = torch.stack([ex.demand.detach().to(dev) if ex.demand is not None
+                        else torch.zeros((), device=dev) for _, ex in found]).max()  # fmt: skip
+    if dist.is_initialized():
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return float(most)
 
 
 def check_exchanges(model: nn.Module) -> None:

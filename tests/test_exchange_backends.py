@@ -56,13 +56,15 @@ def _registered() -> str:
 
 
 @contextmanager
-def pipeline_exchange(exchange: str, stages: list):
-    """Build the pipelines of ``tests/test_pipeline_schedule.py`` with ``exchange`` experts; each
-    stage module that ``parallelize_moe`` returns is appended to ``stages``."""
+def pipeline_exchange(exchange: str, stages: list, **exchange_options):
+    """Build the pipelines of ``tests/test_pipeline_schedule.py`` with ``exchange`` experts (and
+    the backend's ``exchange_options``); each stage module that ``parallelize_moe`` returns is
+    appended to ``stages``."""
     real = schedule_tests.parallelize_moe
 
     def with_exchange(module, meshes, **options):
-        stages.append(real(module, meshes, exchange=exchange, **options))
+        stages.append(real(module, meshes, exchange=exchange, **options,
+                           exchange_options=exchange_options or None))  # fmt: skip
         return stages[-1]
 
     with mock.patch.object(schedule_tests, "parallelize_moe", with_exchange):

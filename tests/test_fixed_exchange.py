@@ -16,6 +16,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -30,7 +32,12 @@ from dtensor_moe.routed.fixed import (
     set_buffer_factor,
     step_without_overflow,
 )
+from tests import _moe_layouts as layouts_tests
+from tests import test_fsdp_moe as fsdp_tests  # (its test class would rerun here)
+from tests import test_pipeline_schedule as schedule_tests
 from tests._dist import DistTestBase
+from tests._moe_model import global_batch, make_model
+from tests.test_exchange_backends import exchanges_of, pipeline_exchange
 from tests.test_parallel_moe import LAYOUTS, Case, ParallelRun, make_config, run_steps
 
 CASE = Case(2, 8, 2, 1)  # an even sequence: the same buffer on every rank under SP
@@ -165,6 +172,53 @@ class FixedExchangeTest(DistTestBase):
         for a, b in zip(*results, strict=True):
             self.assertTrue(bool(torch.isfinite(b).all()))
             torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+    @with_comms
+    def test_pipeline_schedules_fsdp2_and_grad_scaler_match_one_process(self):
+        """pp2 x dp2 with EP2 over each stage's dp ranks, every stage's experts on the fixed
+        exchange with a ``buffer_factor`` of 2 (= ep: every row fits), 3 steps each against one
+        process (losses, every param grad, params, router counters;
+        ``tests/test_pipeline_schedule.py``'s harness): ``Schedule1F1B``; the same with FSDP2
+        in every stage and a ``GradScaler``; ``ScheduleInterleaved1F1B`` with two stages a
+        rank."""
+        runs = [
+            (Schedule1F1B, "single", {}),
+            (Schedule1F1B, "single",
+             {"fsdp": True, "scaler": torch.amp.GradScaler("cpu", init_scale=16.0)}),
+            (ScheduleInterleaved1F1B, "loop", {}),
+        ]  # fmt: skip
+        for schedule_cls, style, options in runs:
+            stages: list = []
+            with pipeline_exchange("fixed", stages, buffer_factor=2.0):
+                schedule_tests.check_training(self, schedule_cls, style, **options)
+            self.assertEqual(exchanges_of(stages), {"fixed"})
+
+    @with_comms
+    def test_fsdp2_layouts_match_one_process(self):
+        """FSDP2 with EP2 over dp4, and with SP2 + EP4 (sequences tp divides), the experts on
+        the fixed exchange with a ``buffer_factor`` of ep (every row fits, whatever the
+        routing): 5 steps of forward, backward, clip and one fused AdamW against one device
+        (``tests/test_fsdp_moe.py``'s harness)."""
+        real = layouts_tests.parallelize_moe
+
+        def fixed(module, meshes, **options):  # a factor of ep: no destination can overflow
+            return real(module, meshes, exchange="fixed", **options,
+                        exchange_options={"buffer_factor": float(meshes.ep)})  # fmt: skip
+
+        for name in ("dp4_ep2", "dp2_tp2_ep4_sp"):
+            ref = make_model()
+            with mock.patch.object(layouts_tests, "parallelize_moe", fixed):
+                model, opt = layouts_tests.build_layout(name, copy.deepcopy(ref))
+            self.assertEqual(exchanges_of([model]), {"fixed"})
+            self.assertTrue(any(isinstance(m, FSDPModule) for m in model.modules()))
+            batches = [global_batch(s, batch=8, seq_len=6) for s in range(fsdp_tests.STEPS)]
+            rows = layouts_tests.local_rows(name, self.rank, 8)
+            losses = fsdp_tests.FSDPMoETest._train(self, model, opt, batches, local_rows=rows)
+            ref_losses = fsdp_tests.FSDPMoETest._reference(self, ref, batches)
+            for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+                torch.testing.assert_close(fsdp_tests._avg(got), want, rtol=fsdp_tests.RTOL,
+                                           atol=fsdp_tests.ATOL, msg=f"{name} loss {step}")  # fmt: skip
+            fsdp_tests.FSDPMoETest._assert_params_match(self, model, ref, name)
 
     @with_comms
     def test_uneven_shards_are_refused_on_every_rank(self):

@@ -22,8 +22,9 @@ from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import with_comms
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtensor_moe import MoE, build_moe_meshes, parallelize_moe
+from dtensor_moe import MoE, _compat, build_moe_meshes, parallelize_moe
 from dtensor_moe.moe import collect_aux_losses
+from dtensor_moe.routed.exchange import set_after_launch
 from dtensor_moe.routed.fixed import (
     FixedBufferExchange,
     check_exchanges,
@@ -38,6 +39,7 @@ from tests import test_pipeline_schedule as schedule_tests
 from tests._dist import DistTestBase
 from tests._moe_model import global_batch, make_model
 from tests.test_exchange_backends import exchanges_of, pipeline_exchange
+from tests.test_pipeline_overlap import dualpipe_v_overlapped
 from tests.test_parallel_moe import LAYOUTS, Case, ParallelRun, make_config, run_steps
 
 CASE = Case(2, 8, 2, 1)  # an even sequence: the same buffer on every rank under SP
@@ -119,22 +121,31 @@ class FixedExchangeTest(DistTestBase):
         """With no overflow, the same output and gradients as the all-to-all exchange with
         every row sent (``overlap=False``), bit for bit: the received rows are grouped in the
         same order and the grouped matmuls end at the last real row, so each expert's group is
-        the same rows in both."""
+        the same rows in both. It hands over at each of its 3 forward and 2 backward launches
+        (``overlap_f_b``'s turns)."""
         meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
         torch.manual_seed(0)
         ref = MoE(make_config(CASE))
         x = torch.randn(CASE.B, CASE.L, D, generator=torch.Generator().manual_seed(self.rank))
         results = []
+        launches: list[str] = []  # the hand-over points of overlap_f_b, forward and backward
         for exchange, overlap in (("fixed", True), ("all_to_all", False)):
             model = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
                                     exchange=exchange, ep_overlap=overlap)  # fmt: skip
             xi = x.clone().requires_grad_()
-            y = model(xi)
-            y.square().sum().backward()
+            hook = (lambda: launches.append("B" if _compat.in_backward_pass() else "F")) \
+                if exchange == "fixed" else None  # fmt: skip
+            previous = set_after_launch(hook)
+            try:
+                y = model(xi)
+                y.square().sum().backward()
+            finally:
+                set_after_launch(previous)
             results.append([y, xi.grad, *(p.grad.to_local() if hasattr(p.grad, "to_local")
                                           else p.grad for p in model.parameters())])  # fmt: skip
         for a, b in zip(*results, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+        self.assertEqual(launches, ["F"] * 3 + ["B"] * 2)  # counts, rows, outputs; 2 back
 
     @with_comms
     def test_unwritten_rows_reach_no_output_or_gradient(self):
@@ -180,12 +191,14 @@ class FixedExchangeTest(DistTestBase):
         process (losses, every param grad, params, router counters;
         ``tests/test_pipeline_schedule.py``'s harness): ``Schedule1F1B``; the same with FSDP2
         in every stage and a ``GradScaler``; ``ScheduleInterleaved1F1B`` with two stages a
-        rank."""
+        rank; ``ScheduleDualPipeV`` under ``overlap_f_b`` (the fixed exchange hands over at each
+        launch, forward and backward)."""
         runs = [
             (Schedule1F1B, "single", {}),
             (Schedule1F1B, "single",
              {"fsdp": True, "scaler": torch.amp.GradScaler("cpu", init_scale=16.0)}),
             (ScheduleInterleaved1F1B, "loop", {}),
+            (dualpipe_v_overlapped, "v", {}),
         ]  # fmt: skip
         for schedule_cls, style, options in runs:
             stages: list = []

@@ -54,7 +54,13 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from dtensor_moe.routed.all_to_all import destinations
-from dtensor_moe.routed.exchange import Received, Routed, TokenExchange, register_exchange
+from dtensor_moe.routed.exchange import (
+    Received,
+    Routed,
+    TokenExchange,
+    announce_launch,
+    register_exchange,
+)
 from dtensor_moe.routed.layouts import (
     Capacity,
     DeviceCounts,
@@ -92,7 +98,7 @@ class FixedBufferExchange(TokenExchange):
     """
 
     name = "fixed"
-    hands_over_launches = False
+    hands_over_launches = True
     static_capacity = False
     features = frozenset({"expert_tp", "score_before_experts"})
 
@@ -183,8 +189,9 @@ class FixedBufferExchange(TokenExchange):
             row_TK=row_TX, counts_e=per_rank_P.clamp(max=C), num_rows=P * C, void_row=True,
         )  # fmt: skip
         rows_MD1 = pack_rows(x_TD, scores_TX, sent, scaled=self.score_before_experts)
-        arrived_Pe = funcol.all_to_all_single(counts_X, None, None, self._group).view(P, e)
-        rows_MD1 = funcol.all_to_all_single_autograd(rows_MD1, None, None, self._group)
+        arrived_Pe = _launched(funcol.all_to_all_single(counts_X, None, None, self._group))
+        arrived_Pe = arrived_Pe.view(P, e)
+        rows_MD1 = _SlotExchange.run(rows_MD1, self._group)
         perm_M, counts_e, inv_M, filled_M1 = _group_by_expert(arrived_Pe, C)
         return Routed(
             source=x_TD,
@@ -212,7 +219,7 @@ class FixedBufferExchange(TokenExchange):
         """The outputs back in slot order, and on their way to the ranks they came from."""
         _, perm_M, _, inv_M, filled_M1 = routed.exchange
         in_slots_MD = _Restore.run(out_RD, perm_M, inv_M, filled_M1)
-        return funcol.all_to_all_single_autograd(in_slots_MD, None, None, self._group)
+        return _SlotExchange.run(in_slots_MD, self._group)
 
     def _combine(self, local_RD: torch.Tensor, routed: Routed, returning: Any) -> torch.Tensor:
         return unpermute_and_reduce(returning, routed.row_TK, None, void_row=True)
@@ -243,6 +250,32 @@ class FixedBufferExchange(TokenExchange):
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, buffer_factor={self.buffer_factor})"
+
+
+def _launched(t: torch.Tensor) -> torch.Tensor:
+    """After a functional collective is issued: the hand-over point of ``overlap_f_b`` (Note
+    [Exchange protocol]: ``hands_over_launches``), then ``t`` waited for."""
+    if not torch.compiler.is_compiling():
+        announce_launch()
+    return funcol.wait_tensor(t)
+
+
+class _SlotExchange(PositionalFunction):
+    """The equal-split all-to-all of a buffer of ``P * C`` rows, forward and backward (the
+    backward is the same exchange of the gradient); a functional collective each way, so that
+    ``torch.compile`` traces it, handing over at each launch (:func:`_launched`)."""
+
+    @staticmethod
+    def forward(rows_MS: torch.Tensor, group: Any) -> torch.Tensor:
+        return _launched(funcol.all_to_all_single(rows_MS, None, None, group))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad_MS: torch.Tensor) -> tuple:
+        return _SlotExchange.run(grad_MS.contiguous(), ctx.group), None
 
 
 def _group_by_expert(

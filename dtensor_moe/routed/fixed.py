@@ -118,6 +118,7 @@ class FixedBufferExchange(TokenExchange):
         # Note [Fixed-buffer exchange]: the most rows that did not fit, per destination rank
         self.overflow: torch.Tensor | None = None
         self.last_rows_per_pair = 0  # C of the last forward, for the strict policy's message
+        self.last_num_pairs = 0  # the pairs this rank routed in the last forward (T * X)
         self._agreed: set[int] = set()  # the C every rank of the mesh was checked to use
         self._last_sent_P: torch.Tensor | None = None  # rows sent per destination, last forward
         # the largest balanced share's multiple that one destination asked for (running max)
@@ -174,6 +175,7 @@ class FixedBufferExchange(TokenExchange):
         )
         T, X = ids_TX.shape
         C = self.last_rows_per_pair = self.rows_per_pair(T * X)
+        self.last_num_pairs = T * X
         ids_N = ids_TX.reshape(-1).clamp(max=G)  # dropped for capacity: past every destination
         order_N = torch.argsort(ids_N, stable=True)
         dest_N = torch.div(ids_N.index_select(0, order_N), e, rounding_mode="floor")
@@ -448,7 +450,8 @@ def check_exchanges(model: nn.Module) -> None:
     name, exchange = found[i]
     rows = int(table[i, q])
     C = exchange.last_rows_per_pair
-    needed = exchange.buffer_factor * (C + rows) / C
+    # the rows the pair needed over the balanced share (C itself was rounded up from its own)
+    needed = (C + rows) * exchange.mesh.size() / max(exchange.last_num_pairs, 1)
     raise RuntimeError(
         f"the fixed exchange of {name or '<root>'!r} over {exchange.mesh} had {rows} rows that "
         f"did not fit its buffer of {C} rows towards rank {exchange.ranks[q]} (buffer_factor="

@@ -10,6 +10,7 @@ Shape legend: B sequences per data shard, L tokens per sequence, D dim, E expert
 from __future__ import annotations
 
 import copy
+import math
 import os
 from unittest import mock
 
@@ -342,6 +343,32 @@ class FixedExchangeTest(DistTestBase):
             traced.zero_grad()
         self.assertEqual(counters["stats"]["unique_graphs"], 1)
         self.assertEqual(sum(counters["graph_break"].values()), 1)
+        # a grown factor (what step_without_overflow does): one more compile, still as eager
+        # (Note [The factor as text]); with the factor as a float attribute, dynamo fails
+        for model in (eager, traced):
+            set_buffer_factor(model, 1.875)
+        y_e, y_c = eager(xs[1]), compiled(xs[1])
+        torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
+        (y_e.square().sum() + y_c.square().sum()).backward()
+        self.assertEqual(traced.experts.exchange.last_rows_per_pair, 16)  # was 8
+
+        def float_rows(exchange, num_pairs):
+            share = exchange.factor_float * num_pairs / exchange.mesh.size()
+            return max(8, -(-math.ceil(share) // 8) * 8)
+
+        fresh = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
+                                exchange="fixed")  # fmt: skip
+        fresh.experts.exchange.factor_float = 1.25
+        torch._dynamo.reset()
+        with mock.patch.object(FixedBufferExchange, "rows_per_pair", float_rows):
+            compiled_fresh = torch.compile(fresh)
+            compiled_fresh(xs[0]).sum().backward()
+            compiled_fresh(xs[1]).sum().backward()
+            fresh.experts.exchange.factor_float = 1.875
+            with self.assertRaisesRegex(Exception, "CeilToInt"):
+                compiled_fresh(xs[2]).sum().backward()
+        eager.zero_grad()
+        traced.zero_grad()
         eager.eval()
         traced.eval()
         torch._dynamo.reset()

@@ -109,12 +109,7 @@ class FixedBufferExchange(TokenExchange):
                 "the 'fixed' exchange needs a mesh of the ranks that exchange rows; use "
                 "exchange='local' when every expert is on this rank"
             )
-        if not (isinstance(buffer_factor, int | float) and math.isfinite(buffer_factor)
-                and buffer_factor >= 1.0):  # fmt: skip
-            raise ValueError(
-                f"the 'fixed' exchange needs a finite buffer_factor >= 1.0, got {buffer_factor!r}"
-            )
-        self.buffer_factor = float(buffer_factor)
+        self.buffer_factor = buffer_factor
         # Note [Fixed-buffer exchange]: the most rows that did not fit, per destination rank
         self.overflow: torch.Tensor | None = None
         self.last_rows_per_pair = 0  # C of the last forward, for the strict policy's message
@@ -125,9 +120,29 @@ class FixedBufferExchange(TokenExchange):
         self.demand: torch.Tensor | None = None
         self._group = self.mesh.get_group()  # traced as a constant (a mesh's submesh is not)
 
+    # Note [The factor as text]: the factor is kept as its ``repr``, a string, and read back
+    # with ``float`` where ``C`` is computed. torch.compile specializes on a string (a guard on
+    # its value, a recompile when it changes), where a float attribute that changes becomes a
+    # symbolic float after the first change, and torch 2.13's dynamo then fails to lift the
+    # ``C`` computed from it ("Source of ... CeilToInt(...) is None"). ``test_fixed_exchange.py::
+    # test_compiled_whole`` grows the factor of a compiled layer, and shows that the same layer
+    # with the factor as a float attribute still fails.
+    @property
+    def buffer_factor(self) -> float:
+        """``C`` over the balanced share of a rank pair (Note [Fixed-buffer exchange])."""
+        return float(self._factor_text)
+
+    @buffer_factor.setter
+    def buffer_factor(self, factor: float) -> None:
+        if not (isinstance(factor, int | float) and math.isfinite(factor) and factor >= 1.0):
+            raise ValueError(
+                f"the 'fixed' exchange needs a finite buffer_factor >= 1.0, got {factor!r}"
+            )
+        self._factor_text = repr(float(factor))
+
     def rows_per_pair(self, num_pairs: int) -> int:
         """``C`` for ``num_pairs`` routed pairs on this rank (Note [Fixed-buffer exchange])."""
-        share = self.buffer_factor * num_pairs / self.mesh.size()
+        share = float(self._factor_text) * num_pairs / self.mesh.size()
         return max(_ALIGN, _round_up(math.ceil(share), _ALIGN))
 
     def check_routing(
@@ -455,7 +470,8 @@ def check_exchanges(model: nn.Module) -> None:
     raise RuntimeError(
         f"the fixed exchange of {name or '<root>'!r} over {exchange.mesh} had {rows} rows that "
         f"did not fit its buffer of {C} rows towards rank {exchange.ranks[q]} (buffer_factor="
-        f"{exchange.buffer_factor}); a buffer_factor of {needed:.2f} would have held them. "
+        f"{exchange.buffer_factor}); a buffer_factor of {math.ceil(needed * 100) / 100:.2f} "
+        "would have held them. "
         "Raise it (set_buffer_factor), or run the step with step_without_overflow, which "
         "grows it and runs the step again"
     )
@@ -466,7 +482,7 @@ def set_buffer_factor(model: nn.Module, factor: float) -> None:
     for _, exchange in _fixed_exchanges(model):
         if not (math.isfinite(factor) and factor >= 1.0):
             raise ValueError(f"buffer_factor must be a finite number >= 1.0, got {factor!r}")
-        exchange.buffer_factor = float(factor)
+        exchange.buffer_factor = factor
 
 
 # Note [Re-running an overflowed step]

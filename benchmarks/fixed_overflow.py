@@ -196,7 +196,8 @@ def main() -> None:
                 first, last = (over[0], over[-1]) if over else ("-", "-")
                 reruns, end, gave_up = _rerun_policy(rows, factor, n, p)
                 policy = (
-                    f"--overflow rerun: {reruns} reruns, factor {end:.4g} at the end"
+                    f"--overflow rerun: {reruns} rerun{'' if reruns == 1 else 's'}, factor "
+                    f"{end:.4g} at the end"
                     if gave_up is None
                     else f"--overflow rerun: gives up at step {gave_up} ({MAX_TRIES} tries)"
                 )

@@ -513,13 +513,18 @@ def test_fixed_exchange_strict_stops_at_the_overflow(tmp_path):
     proc = _run([sys.executable, "-m", "dtensor_moe.demo", *flags])
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "step 3/6" in proc.stdout and "step 4/6" not in proc.stdout, proc.stdout
-    assert re.search(
+    stop = re.search(
         r"^python -m dtensor_moe.demo: step 4 overflowed under --overflow strict: the fixed "
-        r"exchange of 'layers.0.moe.experts' over DeviceMesh\(.*\) had \d+ rows? that did not "
-        r"fit its buffer of 16 rows towards rank \d \(buffer_factor=1.25\).* In the demo: rerun "
-        r"with a larger --buffer-factor \(given: 1.25\), or with --overflow rerun; exit code 1$",
+        r"exchange of 'layers.0.moe.experts' over DeviceMesh\(.*\) had (\d+) rows? that did not "
+        r"fit its buffer of 16 rows towards rank \d \(buffer_factor=1.25\).* In the demo: this "
+        r"step needed --buffer-factor (\d\.\d\d) or more \(given: 1.25\); rerun with it, or with "
+        r"--overflow rerun; exit code 1$",
         proc.stderr, re.M,
-    ), proc.stderr  # fmt: skip
+    )  # fmt: skip
+    assert stop, proc.stderr
+    # the factor the demo names holds the step's fullest pair: 16 rows + those that did not fit
+    # (N = 24 rows per rank, P = 2 ranks)
+    assert _rows_per_pair(float(stop[2]), 24, 2) >= 16 + int(stop[1]), stop[0]
     assert "Traceback" not in proc.stderr and not os.path.exists(os.path.join(out, "metrics.json"))
 
 

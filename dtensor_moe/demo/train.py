@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -188,10 +189,11 @@ def _fixed_step(model: nn.Module, run: Callable[[], object], config: DemoConfig,
         try:
             check_exchanges(model)  # one all-reduce; resets the records
         except RuntimeError as err:
+            enough = math.ceil(needed * 100) / 100  # C(F) >= F * N / P: F >= needed holds it
             raise BufferOverflow(
                 f"step {step + 1} overflowed under --overflow strict: {err}. In the demo: "
-                f"rerun with a larger --buffer-factor (given: {config.buffer_factor:g}), or "
-                "with --overflow rerun"
+                f"this step needed --buffer-factor {enough:.2f} or more (given: "
+                f"{config.buffer_factor:g}); rerun with it, or with --overflow rerun"
             ) from None
     else:
         reset_overflow(model)

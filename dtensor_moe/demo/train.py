@@ -10,7 +10,10 @@ One step, on every rank (Note [Demo step]):
 2. forward inside ``collect_aux_losses()``, cross-entropy (mean over this rank's tokens) plus
    the collected auxiliary losses (none unless ``aux_loss_coeff > 0``; Note [Auxiliary loss
    follows the loss] in ``dtensor_moe/moe/balance.py``), backward. FSDP2 averages the grads
-   over dp, so they are the grads of the mean loss over the global batch;
+   over dp, so they are the grads of the mean loss over the global batch. With
+   ``--exchange fixed`` the forward and backward run through ``step_without_overflow`` (or
+   are followed by ``check_exchanges``), and the buffer factor the step needed is read
+   (Note [Demo fixed exchange]);
 3. ``dtensor_moe.clip_grad_norm_(model.parameters(), max_norm)``: one call, whatever meshes the
    params live on; it returns the global norm before clipping;
 4. read the router counters (tokens per expert since the last step), summed over all ranks:

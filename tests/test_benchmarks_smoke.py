@@ -234,3 +234,31 @@ def test_exchanges_benchmark_prints_a_ratio_per_preset_and_layout():
     assert lines == [("qwen3", "ep4"), ("qwen3", "sp2ep")], out
     err = _run("benchmarks/exchanges.py", "--pad-to-capacity", returncode=2)
     assert "--pad-to-capacity is not taken here" in err, err
+
+
+def test_fixed_overflow_benchmark_prints_every_factor():
+    # one demo run (EP over 4 ranks, 3 steps of a small model) at the probe factor, then the
+    # overflow count per factor from its recorded rows per rank pair (no second run)
+    out = _run("benchmarks/fixed_overflow.py", "--steps", "3", "--layouts", "ep4",
+               "--demo-args", "--layers 1 --dim 32 --batch 4 --seq-len 12")  # fmt: skip
+    lines = out.splitlines()
+    assert lines[0].startswith("fixed exchange overflow per buffer_factor: python -m "
+                               "dtensor_moe.demo, 3 steps (--layers 1 --dim 32 --batch 4 "
+                               "--seq-len 12), 4 gloo processes; one run per layout at "
+                               "--buffer-factor 4 "), out  # fmt: skip
+    head = re.fullmatch(r"layout ep4 \(--tp 1 --ep 4\): N=(\d+) rows per rank per forward, "
+                        r"P=4 ranks; max needed factor steps 1-3 (\d\.\d{3}), steps 1-3 "
+                        r"(\d\.\d{3}), all (\d\.\d{3}); demo run \d+ s, parity OK", lines[1])
+    assert head and head[2] == head[3] == head[4], out  # 3 steps: both windows are all of them
+    n, needed = int(head[1]), float(head[4])
+    assert n == 1 * 12 * 2, out  # batch 4 over dp 4: 1 sequence per rank x 12 tokens x top-2
+    factors = re.findall(r"^  buffer_factor (\d\.\d\d) \(C=(\d+) rows per pair\): overflowed "
+                         r"(\d)/3 steps, first ([\d-]+), last ([\d-]+); --overflow rerun: (\d+) "
+                         r"reruns?, factor ([\d.]+) at the end$", out, re.M)  # fmt: skip
+    assert [f[0] for f in factors] == ["1.00", "1.25", "1.50", "2.00"] and len(lines) == 6, out
+    for factor, c, over, first, last, reruns, _ in factors:
+        # the fullest pair's rows (needed x N / P) fit C exactly when no step overflowed
+        assert (int(over) == 0) == (needed * n / 4 <= int(c) + 1e-9), (factor, out)
+        assert (first == "-") == (last == "-") == (over == "0") == (reruns == "0"), out
+    err = _run("benchmarks/fixed_overflow.py", "--factors", "0.5", returncode=2)
+    assert "--factors must each be >= 1.0, got [0.5]" in err, err

@@ -7,13 +7,17 @@ Every check runs before any process is started (plain launch) or before any coll
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from dtensor_moe import MoEConfig
 from dtensor_moe.demo.model import ModelConfig
 
 __all__ = [
+    "DEFAULT_BUFFER_FACTOR",
+    "EXCHANGES",
     "OPTIMIZERS",
+    "OVERFLOW_POLICIES",
     "SCHEDULES",
     "DemoConfig",
     "LayoutError",
@@ -29,6 +33,13 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 # --optimizer: one fused AdamW over every param, or Muon for the hidden matrices and routed
 # experts with AdamW for the rest (dtensor_moe.optim.muon_param_groups)
 OPTIMIZERS = ("adamw", "muon")
+
+# --exchange: the expert-parallel exchange backend (parallelize_moe(..., exchange=)); "fixed" is
+# dropless on fixed buffers with no host read (dtensor_moe/routed/fixed.py), sized by
+# --buffer-factor; --overflow says what a step does when a buffer was too small
+EXCHANGES = ("all_to_all", "all_gather", "fixed")
+DEFAULT_BUFFER_FACTOR = 1.25
+OVERFLOW_POLICIES = ("rerun", "strict")
 
 
 class LayoutError(ValueError):
@@ -62,6 +73,29 @@ class DemoConfig:
     schedule: str = "1f1b"
     microbatches: int = 1
     optimizer: str = "adamw"
+    exchange: str = "all_to_all"
+    buffer_factor: float | None = None  # with exchange "fixed" only
+    overflow: str | None = None  # with exchange "fixed" only: "rerun" or "strict"
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the experts exchange rows on fixed buffers (``--exchange fixed``)."""
+        return self.exchange == "fixed"
+
+    @property
+    def ep_ranks(self) -> int:
+        """``P``: the ranks one expert exchange spans (ep, times tp under expert TP)."""
+        return self.ep * (self.tp if self.expert_tp else 1)
+
+    @property
+    def routed_pairs(self) -> int:
+        """``N``: the (token, expert) rows one rank hands its exchange per forward (one
+        micro-batch under ``--pp``): this rank's tokens times top-k, times tp under expert TP
+        (each row goes to every tp slice of its expert). Exact when the tokens split evenly
+        over tp, which ``--exchange fixed`` requires (:func:`resolve_config`)."""
+        rows = self.batch // self.dp if self.pp == 1 else self.microbatch_size
+        tokens = rows * self.seq_len // self.tp
+        return tokens * self.model.moe.top_k * (self.tp if self.expert_tp else 1)
 
     @property
     def tokens_per_step(self) -> int:
@@ -82,6 +116,12 @@ class DemoConfig:
         etp = self.tp if self.expert_tp else 1
         experts = f"ep={self.ep}  etp={etp}  edp={self.world // (self.pp * self.ep * etp)}"
         compiled = "  compiled blocks" if self.compile else ""
+        if self.fixed:
+            experts += (
+                f"  exchange=fixed (buffer_factor {self.buffer_factor:g}, overflow {self.overflow})"
+            )
+        elif self.exchange != "all_to_all":
+            experts += f"  exchange={self.exchange}"
         pipeline = (
             f"  pp={self.pp} ({self.schedule}, {self.num_stages} stages, "
             f"{self.microbatches} micro-batches)"
@@ -160,6 +200,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="sequence parallelism on the tp ranks (norms and residual stream "
         "sharded on the sequence dim; any --seq-len works)",
+    )
+    exchange = parser.add_argument_group(
+        "expert exchange (how tokens travel to the experts of other ranks; needs --ep 2 or more)"
+    )
+    exchange.add_argument(
+        "--exchange",
+        choices=EXCHANGES,
+        default="all_to_all",
+        help="exchange backend of the expert-parallel layers (parallelize_moe(exchange=)): "
+        "all_to_all sends each row to its expert's rank; all_gather gathers every token on "
+        "every rank; fixed sends fixed-size buffers with no host read (dropless: a step whose "
+        "rows did not fit is run again, see --overflow), so --compile compiles the experts "
+        "with the rest of each block",
+    )
+    exchange.add_argument(
+        "--buffer-factor",
+        type=float,
+        default=None,
+        help="with --exchange fixed: rows per rank pair over the balanced share "
+        "(tokens x top-k / ep ranks), >= 1.0 (default with --exchange fixed: "
+        f"{DEFAULT_BUFFER_FACTOR})",
+    )
+    exchange.add_argument(
+        "--overflow",
+        choices=OVERFLOW_POLICIES,
+        default=None,
+        help="with --exchange fixed, when rows did not fit a buffer: rerun runs the step's "
+        "forward and backward again with a 1.5x larger buffer_factor (kept for later steps), "
+        "before the optimizer step (dtensor_moe.routed.step_without_overflow); strict stops "
+        "the run with the layer, rank pair and factor that would have held them "
+        "(check_exchanges) (default with --exchange fixed: rerun)",
     )
     pipeline = parser.add_argument_group(
         "pipeline parallelism (torch.distributed.pipelining; each stage gets the layout above)"
@@ -468,6 +539,104 @@ def _resolve_experts(args: argparse.Namespace, dp: int, tp: int, hidden: int) ->
     return ep, expert_tp
 
 
+def _resolve_exchange(
+    args: argparse.Namespace, dp: int, tp: int, ep: int, expert_tp: bool, hidden: int,
+    microbatches: int,
+) -> tuple[float | None, str | None]:
+    """``(buffer_factor, overflow)`` for ``--exchange``: both ``None`` unless it is ``fixed``.
+
+    The fixed exchange (``dtensor_moe/routed/fixed.py``) sends every rank the same buffer, so
+    every rank of the exchange must route the same number of tokens; it computes the experts
+    with ``torch._grouped_mm`` only (aligned rows). Both are checked here, before any process
+    starts, rather than by a ``ValueError`` on every rank at the first forward.
+    """
+    fixed = args.exchange == "fixed"
+    for flag, value in (("--buffer-factor", args.buffer_factor), ("--overflow", args.overflow)):
+        if value is not None and not fixed:
+            _fail(
+                f"{flag} {value} needs --exchange fixed (only the fixed exchange has buffers), "
+                f"got --exchange {args.exchange}; add --exchange fixed or drop {flag}"
+            )
+    no_exchange = ep == 1 and not (expert_tp and tp > 1)  # every rank holds every expert
+    if args.exchange != "all_to_all" and (no_exchange or (fixed and ep == 1)):
+        if args.ep is not None:
+            why = "got --ep 1"
+        else:
+            why = (
+                "ep is 1 here (--ep defaults to --tp, which is 1)"
+                if tp == 1
+                else f"ep is 1 here (--ep defaults to 1 when --tp {tp} does not divide "
+                f"--experts {args.experts})"
+            )
+        eps = [e for e in working_eps(args, dp, tp, hidden) if e > 1]
+        fix = (
+            f"choose --ep in {{{', '.join(map(str, eps))}}}, or drop --exchange {args.exchange}"
+            if eps
+            else "no --ep of 2 or more works with the other flags as given: drop --exchange "
+            f"{args.exchange}"
+        )
+        _fail(
+            f"--exchange {args.exchange} needs expert parallelism (--ep 2 or more), but {why}; "
+            f"{fix}"
+        )
+    if not fixed:
+        return None, None
+    factor = args.buffer_factor if args.buffer_factor is not None else DEFAULT_BUFFER_FACTOR
+    if not (math.isfinite(factor) and factor >= 1.0):
+        _fail(
+            f"--buffer-factor must be a finite number >= 1.0 (rows per rank pair over the "
+            f"balanced share), got {factor}; the default is {DEFAULT_BUFFER_FACTOR}"
+        )
+    _check_even_tokens(args, dp, tp, microbatches)
+    etp = tp if expert_tp else 1
+    if args.dim % 4 != 0 or (hidden // etp) % 4 != 0:
+        per_rank = f" (--hidden / --tp {tp} under expert TP: {hidden // etp})" if etp > 1 else ""
+        _fail(
+            f"--exchange fixed computes the experts with torch._grouped_mm, which needs float32 "
+            f"rows of a multiple of 16 bytes: --dim {args.dim} and --hidden {hidden}{per_rank} "
+            "must be multiples of 4; choose them so, or --exchange all_to_all"
+        )
+    return float(factor), args.overflow if args.overflow is not None else "rerun"
+
+
+def _check_even_tokens(args: argparse.Namespace, dp: int, tp: int, microbatches: int) -> None:
+    """Refuse ``--exchange fixed`` when the tp ranks would route different numbers of tokens.
+
+    With tp > 1 each tp rank routes its share of one forward's ``rows x seq_len`` tokens
+    (Note [Token-parallel MoE] in ``dtensor_moe/parallel/token_parallel.py``): under sequence
+    parallelism its sequence shard (DTensor's uneven ``Shard(1)`` when tp does not divide
+    ``seq_len``; a sequence shorter than tp is split as the flattened tokens), without it a
+    ``1/tp`` slice of the flattened tokens.
+    """
+    if tp == 1:
+        return
+    rows = args.batch // dp if args.pp == 1 else args.batch // (dp * microbatches)
+    L = args.seq_len  # noqa: N806
+    per = "sequence" if args.pp == 1 else "micro-batch sequence"
+    if args.sp and L >= tp:
+        if L % tp != 0:
+            _fail(
+                f"--exchange fixed needs every rank to route the same number of tokens, but "
+                f"under sequence parallelism each tp rank routes its shard of every {per}, and "
+                f"--seq-len {L} does not split evenly over --tp {tp}; choose a --seq-len "
+                f"divisible by {tp}, or --exchange all_to_all"
+            )
+        return
+    if (rows * L) % tp != 0:
+        where = (
+            f"--seq-len {L} is shorter than --tp {tp}, so under sequence parallelism"
+            if args.sp
+            else "with --no-sp"
+        )
+        unit = "per data-parallel rank" if args.pp == 1 else "per micro-batch"
+        _fail(
+            f"--exchange fixed needs every rank to route the same number of tokens, but {where} "
+            f"each tp rank routes 1/{tp} of the {rows} x {L} tokens of a forward ({rows} "
+            f"sequence{'s' if rows > 1 else ''} {unit}), which do not split evenly; choose a "
+            f"--seq-len divisible by {tp}, or --exchange all_to_all"
+        )
+
+
 def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
     """Check the flags for ``world`` processes; :class:`LayoutError` names the first problem."""
     _check_positive(args)
@@ -476,6 +645,9 @@ def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
     schedule, microbatches = _resolve_pipeline(args, dp)
     hidden = args.hidden if args.hidden is not None else 2 * args.dim
     ep, expert_tp = _resolve_experts(args, dp, tp, hidden)
+    buffer_factor, overflow = _resolve_exchange(
+        args, dp, tp, ep, expert_tp, hidden, microbatches
+    )
     try:
         moe = MoEConfig(
             dim=args.dim,
@@ -513,4 +685,7 @@ def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
         schedule=schedule,
         microbatches=microbatches,
         optimizer=args.optimizer,
+        exchange=args.exchange,
+        buffer_factor=buffer_factor,
+        overflow=overflow,
     )

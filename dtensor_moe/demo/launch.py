@@ -47,7 +47,7 @@ from dtensor_moe.demo.config import (
     resolve_config,
 )
 from dtensor_moe.demo.data import MarkovChain
-from dtensor_moe.demo.layout import apply_layout, describe_layout
+from dtensor_moe.demo.layout import apply_layout, describe_layout, exchange_options
 from dtensor_moe.demo.pipeline import Pipeline, full_params
 from dtensor_moe.demo.report import (
     load_lines,
@@ -57,7 +57,9 @@ from dtensor_moe.demo.report import (
     write_outputs,
 )
 from dtensor_moe.demo.train import (
+    BufferOverflow,
     build_model,
+    dynamo_graphs,
     optimizer_line,
     run_single_process,
     run_single_process_with_params,
@@ -181,23 +183,34 @@ def _run(config: DemoConfig, start: float) -> int:
     else:
         model = build_model(config.model, config.seed)
         n_params = sum(p.numel() for p in model.parameters())
-        apply_layout(model, meshes, sequence_parallel=config.sequence_parallel)
+        apply_layout(
+            model, meshes, sequence_parallel=config.sequence_parallel,
+            exchange=config.exchange, exchange_options=exchange_options(config),
+        )  # fmt: skip
     if config.compile:
+        if config.fixed:  # Note [Compiled blocks with the fixed exchange]
+            torch._dynamo.config.specialize_float = True
         for block in model.layers:  # in place: parameter names stay as they are
             block.compile(backend=config.compile_backend)
     mesh_lines = describe_layout(model)
     _print_header(say, config, n_params, mesh_lines, chain)
-    records = train(
-        model,
-        config,
-        chain,
-        dp_rank=meshes.dense.get_coordinate()[0],
-        dp_size=config.dp,
-        group=dist.group.WORLD,
-        on_step=lambda r: say(progress_line(r, config.steps), flush=True),
-        pipeline=pipeline,
-    )
+    try:
+        records = train(
+            model,
+            config,
+            chain,
+            dp_rank=meshes.dense.get_coordinate()[0],
+            dp_size=config.dp,
+            group=dist.group.WORLD,
+            on_step=lambda r: say(progress_line(r, config.steps), flush=True),
+            pipeline=pipeline,
+        )
+    except BufferOverflow as err:  # raised on every rank alike: they all stop here
+        if rank == 0:
+            print(f"python -m dtensor_moe.demo: {err}; exit code 1", file=sys.stderr)
+        return 1
     train_s = time.time() - start
+    dynamo = dynamo_graphs() if config.compile else None  # before the (eager) reruns
     if records:
         say("\n".join(load_lines(records[-1])), flush=True)
     say(f"distributed run done; rerunning the {config.steps} steps in one process ...", flush=True)
@@ -207,7 +220,9 @@ def _run(config: DemoConfig, start: float) -> int:
         return 0
     runs["distributed"] = records
     param_diff = _max_param_diff(params, ref_params) if params is not None else None
-    summary = summarize(runs, config, chain.entropy_rate(), max_param_diff=param_diff)
+    summary = summarize(
+        runs, config, chain.entropy_rate(), max_param_diff=param_diff, dynamo=dynamo
+    )
     wall = time.time() - start
     meta = {
         "layout": mesh_lines,
@@ -215,6 +230,11 @@ def _run(config: DemoConfig, start: float) -> int:
         "wall_time_s": wall,
         "distributed_done_s": train_s,
     }
+    if config.fixed:  # N and P of the buffer rule C = max(8, ceil(ceil(F * N / P) / 8) * 8)
+        meta["fixed_exchange"] = {
+            "routed_pairs_per_rank": config.routed_pairs,
+            "ep_ranks": config.ep_ranks,
+        }
     written = write_outputs(config.out, runs, summary, config, meta)
     say("\n".join(summary_lines(summary, config)))
     say(
@@ -229,6 +249,19 @@ def _run(config: DemoConfig, start: float) -> int:
         )
         return 1
     return 0
+
+
+# Note [Compiled blocks with the fixed exchange]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The fixed exchange reads no host sizes, so under --compile the routed experts compile with
+# the rest of each block (no eager island). Its one-time buffer-size agreement (an all-gather
+# read on the host) breaks the graph at the first forward of each buffer size: on step 1, and
+# again after --overflow rerun grew the factor. A grown factor changes the buffer's shape, so
+# the frames after that break compile again. torch 2.13 makes a Python float that changed
+# between two calls of a frame a symbolic input (``specialize_float=False``, the default), and
+# tracing the exchange with a symbolic ``buffer_factor`` then fails ("Source of
+# '2*Max(8, ...CeilToInt(... zf...))' is None when lifting it to input of top-level"). The demo
+# therefore specializes floats, so each factor compiles as a constant, as fixed.py expects.
 
 
 def _gather_stage_params(model: torch.nn.Module, meshes) -> dict[str, torch.Tensor] | None:

@@ -44,18 +44,39 @@ distributed one, in three steps that only use public PyTorch and dtensor_moe API
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_moe import MoEMeshes, fully_shard_moe, parallelize_dense, parallelize_moe
+from dtensor_moe.demo.config import DemoConfig
 from dtensor_moe.demo.model import MoETransformer
 from dtensor_moe.parallel import DenseNames
 
-__all__ = ["apply_layout", "apply_stage_layout", "describe_layout"]
+__all__ = ["apply_layout", "apply_stage_layout", "describe_layout", "exchange_options"]
 
 
-def apply_layout(model: MoETransformer, meshes: MoEMeshes, *, sequence_parallel: bool) -> None:
+def exchange_options(config: DemoConfig) -> dict[str, Any] | None:
+    """``parallelize_moe``'s ``exchange_options`` for ``--exchange``: the fixed exchange's
+    ``buffer_factor`` (``--buffer-factor``); none for the other backends."""
+    return {"buffer_factor": config.buffer_factor} if config.fixed else None
+
+
+def apply_layout(
+    model: MoETransformer,
+    meshes: MoEMeshes,
+    *,
+    sequence_parallel: bool,
+    exchange: str = "all_to_all",
+    exchange_options: Mapping[str, Any] | None = None,
+) -> None:
     """Shard ``model`` in place for ``meshes``; see Note [Demo layout].
+
+    ``exchange`` and ``exchange_options`` go to :func:`dtensor_moe.parallelize_moe`: the
+    backend that moves tokens to the experts of other ranks (``--exchange``, and for
+    ``"fixed"`` its ``buffer_factor``).
 
     Collectives: torch's and the MoE styles scatter or broadcast each weight from the first
     rank of its mesh, and the MoE styles check that the config agrees across ranks (an object
@@ -65,11 +86,21 @@ def apply_layout(model: MoETransformer, meshes: MoEMeshes, *, sequence_parallel:
     if meshes.tp > 1:
         parallelize_dense(model, meshes.dense["tp"], sequence_parallel=sp)
     if meshes.tp > 1 or meshes.ep > 1:
-        parallelize_moe(model, meshes, sequence_parallel=sp)
+        parallelize_moe(
+            model, meshes, sequence_parallel=sp, exchange=exchange,
+            exchange_options=exchange_options,
+        )  # fmt: skip
     fully_shard_moe(model, meshes, blocks=model.layers)
 
 
-def apply_stage_layout(stage: nn.Module, meshes: MoEMeshes, *, sequence_parallel: bool) -> None:
+def apply_stage_layout(
+    stage: nn.Module,
+    meshes: MoEMeshes,
+    *,
+    sequence_parallel: bool,
+    exchange: str = "all_to_all",
+    exchange_options: Mapping[str, Any] | None = None,
+) -> None:
     """:func:`apply_layout` for one pipeline stage (``--pp``), on the stage's ``meshes``.
 
     ``stage`` is a :class:`~dtensor_moe.demo.pipeline.StageModel`: the model's names, without
@@ -86,7 +117,10 @@ def apply_stage_layout(stage: nn.Module, meshes: MoEMeshes, *, sequence_parallel
         )
         parallelize_dense(stage, meshes.dense["tp"], sequence_parallel=sp, names=names)
     if meshes.tp > 1 or meshes.ep > 1:
-        parallelize_moe(stage, meshes, sequence_parallel=sp)
+        parallelize_moe(
+            stage, meshes, sequence_parallel=sp, exchange=exchange,
+            exchange_options=exchange_options,
+        )  # fmt: skip
     fully_shard_moe(
         stage, meshes, blocks=list(stage.layers.values()), reshard_after_forward=False
     )

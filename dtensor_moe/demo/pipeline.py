@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtensor_moe import MoEMeshes
 from dtensor_moe.demo.config import SCHEDULES, DemoConfig
-from dtensor_moe.demo.layout import apply_stage_layout
+from dtensor_moe.demo.layout import apply_stage_layout, exchange_options
 from dtensor_moe.demo.model import MoETransformer
 from dtensor_moe.demo.train import build_model
 from dtensor_moe.parallel import build_stage, reduce_gradients
@@ -140,7 +140,10 @@ class Pipeline:
         modules, stages = [], []
         for index in indices:
             module = StageModel(full, index, num_stages, tp_mesh)
-            apply_stage_layout(module, meshes, sequence_parallel=config.sequence_parallel)
+            apply_stage_layout(
+                module, meshes, sequence_parallel=config.sequence_parallel,
+                exchange=config.exchange, exchange_options=exchange_options(config),
+            )  # fmt: skip
             last = index == num_stages - 1
             stages.append(
                 build_stage(

@@ -61,15 +61,37 @@ class Summary:
     final_loss: float
     entropy_rate: float
     max_param_diff: float | None = None  # under --pp: every param after the last step
+    # --exchange fixed: the largest factor a step needed (and the first step that needed it),
+    # the steps whose forward + backward ran again, and the extra runs in all
+    max_needed_buffer_factor: float | None = None
+    max_needed_at: int | None = None
+    overflowed_steps: list[int] | None = None
+    reruns: int | None = None
+    final_buffer_factor: float | None = None
+    final_rows_per_pair: int | None = None
+    # --compile: rank 0's dynamo counters after the distributed run, and the frames compiled
+    # at step 1 and at each later step that compiled any (a recompile)
+    dynamo_graphs: int | None = None
+    dynamo_graph_breaks: int | None = None
+    first_step_frames: int | None = None
+    recompiles: dict[int, int] | None = None
 
 
 def progress_line(record: StepRecord, steps: int) -> str:
     width = len(str(steps))
-    return (
+    line = (
         f"step {record.step:>{width}}/{steps}  loss {record.loss:.4f}  "
         f"tok/s {record.tokens_per_s:>7,.0f}  grad-norm {record.grad_norm:.3f}  "
         f"imbalance {record.imbalance:.2f}"
     )
+    if record.needed_buffer_factor is not None:  # --exchange fixed
+        line += f"  needed-buffer {record.needed_buffer_factor:.2f}"
+        if record.reruns:
+            line += (
+                f" (overflowed: {record.reruns} rerun{'s' if record.reruns > 1 else ''}, "
+                f"buffer_factor now {record.buffer_factor:.4g})"
+            )
+    return line
 
 
 def load_lines(record: StepRecord) -> list[str]:
@@ -91,6 +113,7 @@ def summarize(
     entropy_rate: float,
     *,
     max_param_diff: float | None = None,
+    dynamo: tuple[int, int] | None = None,
 ) -> Summary:
     """Compare the runs: ``distributed`` with ``reference``, balanced with unbalanced.
 
@@ -98,6 +121,7 @@ def summarize(
     in every layer); parity holds only when that is every one of ``config.steps`` steps and the
     losses agree within :data:`PARITY_TOLERANCE` (Note [Demo parity] in this module), and, when
     ``max_param_diff`` is given (``--pp``), the params within :data:`PARAM_TOLERANCE`.
+    ``dynamo``: ``(graphs, graph breaks)`` of the compiled run (``--compile``).
     """
     dist_run, ref_run = runs["distributed"], runs["reference"]
     diverged = next(
@@ -113,6 +137,26 @@ def summarize(
     }
     if "comparison" in runs:
         imbalance[not config.balance] = _tail_mean([r.imbalance for r in runs["comparison"]])
+    fixed = {}
+    if config.fixed and dist_run:
+        needed = [r.needed_buffer_factor for r in dist_run]
+        top = max(needed)
+        fixed = dict(
+            max_needed_buffer_factor=top,
+            max_needed_at=dist_run[needed.index(top)].step,
+            overflowed_steps=[r.step for r in dist_run if r.reruns],
+            reruns=sum(r.reruns for r in dist_run),
+            final_buffer_factor=dist_run[-1].buffer_factor,
+            final_rows_per_pair=dist_run[-1].rows_per_pair,
+        )
+    compiled = {}
+    if dynamo is not None and dist_run and dist_run[0].compiled_frames is not None:
+        compiled = dict(
+            dynamo_graphs=dynamo[0],
+            dynamo_graph_breaks=dynamo[1],
+            first_step_frames=dist_run[0].compiled_frames,
+            recompiles={r.step: r.compiled_frames for r in dist_run[1:] if r.compiled_frames},
+        )
     return Summary(
         max_loss_diff=max_loss_diff,
         max_grad_norm_diff=max_norm_diff,
@@ -126,6 +170,8 @@ def summarize(
         final_loss=sum(r.loss for r in dist_run[-10:]) / len(dist_run[-10:]),
         entropy_rate=entropy_rate,
         max_param_diff=max_param_diff,
+        **fixed,
+        **compiled,
     )
 
 
@@ -135,7 +181,49 @@ def summary_lines(summary: Summary, config: DemoConfig) -> list[str]:
         f"loss: {s.final_loss:.4f} (mean of the last 10 steps); data entropy rate "
         f"{s.entropy_rate:.4f} (the best achievable), gap {s.final_loss - s.entropy_rate:+.4f}"
     )
-    return [loss, _parity_line(s, config), _balance_line(s, config)]
+    lines = [loss, _parity_line(s, config), _balance_line(s, config)]
+    if s.max_needed_buffer_factor is not None:
+        lines.append(_fixed_line(s, config))
+    if s.dynamo_graphs is not None:
+        lines.append(_compile_line(s))
+    return lines
+
+
+def _compile_line(s: Summary) -> str:
+    """``--compile``: rank 0's dynamo counters, and the steps that compiled again."""
+    later = s.recompiles or {}
+    if later:
+        shown = ", ".join(f"{step} ({n})" for step, n in list(later.items())[:10])
+        more = ", ..." if len(later) > 10 else ""
+        recompiled = f"recompiled frames at steps {shown}{more}"
+    else:
+        recompiled = "no recompiles after step 1"
+    return (
+        f"torch.compile (dynamo counters of rank 0): {s.dynamo_graphs} graphs, "
+        f"{s.dynamo_graph_breaks} graph breaks; step 1 compiled {s.first_step_frames} frames, "
+        f"{recompiled}"
+    )
+
+
+def _fixed_line(s: Summary, config: DemoConfig) -> str:
+    """``--exchange fixed``: the largest factor needed, the steps that overflowed, the reruns."""
+    head = (
+        f"fixed exchange (--buffer-factor {config.buffer_factor:g}, --overflow "
+        f"{config.overflow}): max needed buffer factor {s.max_needed_buffer_factor:.3f} (step "
+        f"{s.max_needed_at}); "
+    )
+    steps = s.overflowed_steps
+    if not steps:
+        return head + (
+            f"no step overflowed (0 reruns); buffer_factor {s.final_buffer_factor:.4g} "
+            f"({s.final_rows_per_pair} rows per rank pair)"
+        )
+    shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+    return head + (
+        f"{len(steps)} of {config.steps} steps overflowed (step{'s' if len(steps) > 1 else ''} "
+        f"{shown}), {s.reruns} rerun{'s' if s.reruns != 1 else ''}; buffer_factor "
+        f"{s.final_buffer_factor:.4g} at the end ({s.final_rows_per_pair} rows per rank pair)"
+    )
 
 
 def _parity_line(s: Summary, config: DemoConfig) -> str:

@@ -10,7 +10,10 @@ One step, on every rank (Note [Demo step]):
 2. forward inside ``collect_aux_losses()``, cross-entropy (mean over this rank's tokens) plus
    the collected auxiliary losses (none unless ``aux_loss_coeff > 0``; Note [Auxiliary loss
    follows the loss] in ``dtensor_moe/moe/balance.py``), backward. FSDP2 averages the grads
-   over dp, so they are the grads of the mean loss over the global batch;
+   over dp, so they are the grads of the mean loss over the global batch. With
+   ``--exchange fixed`` the forward and backward run through ``step_without_overflow`` (or
+   are followed by ``check_exchanges``), and the buffer factor the step needed is read
+   (Note [Demo fixed exchange]);
 3. ``dtensor_moe.clip_grad_norm_(model.parameters(), max_norm)``: one call, whatever meshes the
    params live on; it returns the global norm before clipping;
 4. read the router counters (tokens per expert since the last step), summed over all ranks:
@@ -37,6 +40,8 @@ every pipeline, and each one's loss is divided by their number before its backwa
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,15 +58,25 @@ from dtensor_moe.demo.data import MarkovChain
 from dtensor_moe.demo.model import ModelConfig, MoETransformer
 from dtensor_moe.moe import LayerLoad, Router, load_stats, update_expert_bias
 from dtensor_moe.moe.protocol import is_router
+from dtensor_moe.routed import (
+    FixedBufferExchange,
+    check_exchanges,
+    needed_buffer_factor,
+    reset_overflow,
+    step_without_overflow,
+)
 from dtensor_moe import collect_aux_losses
 
 if TYPE_CHECKING:
     from dtensor_moe.demo.pipeline import Pipeline
 
 __all__ = [
+    "BufferOverflow",
+    "FixedStepStats",
     "StepRecord",
     "build_model",
     "build_optimizers",
+    "dynamo_graphs",
     "optimizer_line",
     "microbatch_rows",
     "run_single_process",
@@ -81,6 +96,121 @@ class StepRecord:
     imbalance: float
     expert_load: list[list[float]]  # (M, E): share of the routed tokens each expert received
     load: tuple[LayerLoad, ...] = ()  # per MoE layer: tokens per expert this step, all ranks
+    # --exchange fixed (the distributed run only; None otherwise), Note [Demo fixed exchange]:
+    needed_buffer_factor: float | None = None  # the factor this step's fullest rank pair needed
+    reruns: int | None = None  # extra runs of the step's forward + backward (--overflow rerun)
+    max_rows_per_pair: int | None = None  # the most rows one rank sent one rank, in one forward
+    buffer_factor: float | None = None  # the factor in effect at the end of the step
+    rows_per_pair: int | None = None  # C: the buffer's rows per rank pair at that factor
+    # --compile (the distributed run only): the frames dynamo compiled during this step, on
+    # this rank (torch._dynamo.utils.counters["frames"]["total"]); after the first step, any
+    # is a recompile
+    compiled_frames: int | None = None
+
+
+class BufferOverflow(RuntimeError):
+    """``--exchange fixed``: rows did not fit the buffers (``--overflow strict``), or still did
+    not after the reruns of ``step_without_overflow``. Raised on every rank alike."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FixedStepStats:
+    """What one step of ``--exchange fixed`` reports; see Note [Demo fixed exchange]."""
+
+    needed_buffer_factor: float
+    reruns: int
+    max_rows_per_pair: int
+    buffer_factor: float
+    rows_per_pair: int
+
+
+# Note [Demo fixed exchange]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With --exchange fixed, the step's forward and backward (one schedule step under --pp) run
+# through ``step_without_overflow`` (--overflow rerun: run again with a 1.5x larger factor,
+# kept for the later steps, until no rank overflowed) or are followed by ``check_exchanges``
+# (--overflow strict: stop), both before the clip and the optimizer step, so no optimizer sees
+# an overflowed run. Then ``needed_buffer_factor`` (one all-reduce, the same on every rank)
+# is read once per step and the records are reset. ``max_rows_per_pair`` is that factor times
+# ``N / P`` (``N``: the rows one rank hands the exchange per forward, ``config.routed_pairs``;
+# ``P``: its ranks, ``config.ep_ranks``), rounded: the exchange records ``rows * P / N`` in
+# float32, whose rounding error is far below half a row. The first step checks that every
+# fixed exchange of the model has ``P`` ranks and the buffer ``N`` gives, so ``N`` and ``P``
+# are the exchange's own. benchmarks/fixed_overflow.py decides from ``max_rows_per_pair``
+# which steps overflow at which factor.
+
+
+def _fixed_exchanges(model: nn.Module) -> list[FixedBufferExchange]:
+    exchanges = (getattr(getattr(m, "plan", None), "exchange", None) for m in model.modules())
+    return [ex for ex in exchanges if isinstance(ex, FixedBufferExchange)]
+
+
+def _check_fixed_sizes(model: nn.Module, config: DemoConfig) -> None:
+    """Every fixed exchange spans ``config.ep_ranks`` ranks and last ran a forward of
+    ``config.routed_pairs`` rows (its buffer is the one they give)."""
+    N, P = config.routed_pairs, config.ep_ranks
+    exchanges = _fixed_exchanges(model)
+    if not exchanges:
+        raise RuntimeError("--exchange fixed: the model holds no fixed exchange")
+    for ex in exchanges:
+        if ex.mesh.size() != P or ex.last_rows_per_pair != ex.rows_per_pair(N):
+            raise RuntimeError(
+                f"--exchange fixed: the demo expected {N} rows per forward over {P} ranks "
+                f"(a buffer of {ex.rows_per_pair(N)} rows per pair), but an exchange spans "
+                f"{ex.mesh.size()} ranks with {ex.last_rows_per_pair} rows per pair"
+            )
+
+
+def _fixed_step(model: nn.Module, run: Callable[[], object], config: DemoConfig, step: int):
+    """Run ``run`` (forward and backward) under ``config.overflow``; its result and the step's
+    :class:`FixedStepStats`. See Note [Demo fixed exchange]."""
+    runs = failed_inside = 0
+
+    def counted() -> object:
+        nonlocal runs, failed_inside
+        runs += 1
+        try:
+            return run()
+        except BaseException:
+            failed_inside = 1
+            raise
+
+    try:
+        if config.overflow == "rerun":
+            out = step_without_overflow(model, counted)
+        else:
+            out = counted()
+    except RuntimeError as err:
+        if failed_inside:  # the forward or backward itself failed: not an overflow
+            raise
+        raise BufferOverflow(
+            f"step {step + 1}: {err}; rerun the demo with a larger --buffer-factor (given: "
+            f"{config.buffer_factor:g})"
+        ) from None
+    needed = needed_buffer_factor(model)  # one all-reduce: the same on every rank
+    if config.overflow == "strict":
+        try:
+            check_exchanges(model)  # one all-reduce; resets the records
+        except RuntimeError as err:
+            enough = math.ceil(needed * 100) / 100  # C(F) >= F * N / P: F >= needed holds it
+            raise BufferOverflow(
+                f"step {step + 1} overflowed under --overflow strict: {err}. In the demo: "
+                f"this step needed --buffer-factor {enough:.2f} or more (given: "
+                f"{config.buffer_factor:g}); rerun with it, or with --overflow rerun"
+            ) from None
+    else:
+        reset_overflow(model)
+    if step == 0:
+        _check_fixed_sizes(model, config)
+    exchanges = _fixed_exchanges(model)
+    stats = FixedStepStats(
+        needed_buffer_factor=needed,
+        reruns=runs - 1,
+        max_rows_per_pair=round(needed * config.routed_pairs / config.ep_ranks),
+        buffer_factor=max(ex.buffer_factor for ex in exchanges),
+        rows_per_pair=max(ex.last_rows_per_pair for ex in exchanges),
+    )
+    return out, stats
 
 
 def build_model(config: ModelConfig, seed: int) -> MoETransformer:
@@ -177,6 +307,20 @@ def _forward_backward(
     return torch.stack(losses).mean()
 
 
+def _dynamo_frames() -> int:
+    """Frames torch.compile (dynamo) has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
+def dynamo_graphs() -> tuple[int, int]:
+    """``(graphs, graph breaks)`` dynamo has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
 def _imbalance(counts_ME: torch.Tensor) -> float:
     """Max over mean tokens per expert, averaged over layers (1.0 is perfectly balanced)."""
     mean_M = counts_ME.mean(dim=-1).clamp_min(1e-12)
@@ -213,16 +357,25 @@ def train(
     balance = any(router.expert_bias is not None for router in _routers(model))
     local_batch = config.batch // dp_size
     records = []
+    compiled = config.compile and group is not None  # the reruns stay eager
     for step in range(config.steps):
         start = time.perf_counter()
+        frames = _dynamo_frames() if compiled else None
         inputs_BL, targets_BL = chain.batch(step, config.batch, config.seq_len)
         rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
         if pipeline is None:
-            loss = _forward_backward(model, inputs_BL[rows], targets_BL[rows], config)
+            run = functools.partial(
+                _forward_backward, model, inputs_BL[rows], targets_BL[rows], config
+            )
             pp_mesh = None
         else:
-            loss = pipeline.step(inputs_BL[rows], targets_BL[rows])
+            run = functools.partial(pipeline.step, inputs_BL[rows], targets_BL[rows])
             pp_mesh = pipeline.meshes.pp_mesh
+        fixed = None
+        if config.fixed and group is not None:  # the single-process reruns exchange nothing
+            loss, fixed = _fixed_step(model, run, config, step)
+        else:
+            loss = run()
         grad_norm = dtensor_moe.clip_grad_norm_(
             model.parameters(), config.max_norm, pp_mesh=pp_mesh
         )
@@ -246,6 +399,8 @@ def train(
             imbalance=_imbalance(counts_ME),
             expert_load=(counts_ME / counts_ME.sum(dim=-1, keepdim=True)).tolist(),
             load=load,
+            **({} if fixed is None else dataclasses.asdict(fixed)),
+            compiled_frames=None if frames is None else _dynamo_frames() - frames,
         )
         records.append(record)
         if on_step is not None:

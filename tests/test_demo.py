@@ -530,17 +530,16 @@ def test_fixed_exchange_strict_stops_at_the_overflow(tmp_path):
 
 # --compile with the fixed exchange. CI: the "eager" backend (about 30 s on a busy 2-core
 # machine): dynamo traces the blocks as with any backend, and dynamo is where a grown factor
-# failed (Note [Compiled blocks with the fixed exchange] in launch.py; this test fails without
-# the demo's workaround). DTENSOR_MOE_FULL_MATRIX=1 adds inductor, the demo's default (1.5 to
-# 3 minutes there).
+# failed (Note [The factor as text] in dtensor_moe/routed/fixed.py). DTENSOR_MOE_FULL_MATRIX=1
+# adds inductor, the demo's default (1.5 to 3 minutes there).
 @pytest.mark.parametrize(
     "backend", ["eager"] + (["inductor"] if os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1"
                             else [])  # fmt: skip
 )
 def test_fixed_exchange_compiled_keeps_parity(tmp_path, backend):
     # EP over all 4 ranks (--tp 1 --ep 4): step 1 overflows the default buffer, so its rerun
-    # compiles the blocks once more for the grown factor (Note [Compiled blocks with the fixed
-    # exchange] in launch.py); the routed experts compile with the rest of each block (no eager
+    # compiles the blocks once more for the grown factor (Note [The factor as text] in
+    # routed/fixed.py); the routed experts compile with the rest of each block (no eager
     # island). After step 2 (the one-time checks' flags change the guards) nothing recompiles.
     out = str(tmp_path / "out")
     flags = ["--tp", "1", "--ep", "4", "--exchange", "fixed", "--compile", "--compile-backend",

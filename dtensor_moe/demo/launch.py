@@ -188,8 +188,6 @@ def _run(config: DemoConfig, start: float) -> int:
             exchange=config.exchange, exchange_options=exchange_options(config),
         )  # fmt: skip
     if config.compile:
-        if config.fixed:  # Note [Compiled blocks with the fixed exchange]
-            torch._dynamo.config.specialize_float = True
         for block in model.layers:  # in place: parameter names stay as they are
             block.compile(backend=config.compile_backend)
     mesh_lines = describe_layout(model)
@@ -249,19 +247,6 @@ def _run(config: DemoConfig, start: float) -> int:
         )
         return 1
     return 0
-
-
-# Note [Compiled blocks with the fixed exchange]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The fixed exchange reads no host sizes, so under --compile the routed experts compile with
-# the rest of each block (no eager island). Its one-time buffer-size agreement (an all-gather
-# read on the host) breaks the graph at the first forward of each buffer size: on step 1, and
-# again after --overflow rerun grew the factor. A grown factor changes the buffer's shape, so
-# the frames after that break compile again. torch 2.13 makes a Python float that changed
-# between two calls of a frame a symbolic input (``specialize_float=False``, the default), and
-# tracing the exchange with a symbolic ``buffer_factor`` then fails ("Source of
-# '2*Max(8, ...CeilToInt(... zf...))' is None when lifting it to input of top-level"). The demo
-# therefore specializes floats, so each factor compiles as a constant, as fixed.py expects.
 
 
 def _gather_stage_params(model: torch.nn.Module, meshes) -> dict[str, torch.Tensor] | None:

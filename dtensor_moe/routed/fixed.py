@@ -385,12 +385,20 @@ class _Restore(PositionalFunction):
         return grad_MD.index_select(0, perm_M), None, None, None
 
 
-def _fixed_exchanges(model: nn.Module) -> list[tuple[str, FixedBufferExchange]]:
+def _fixed_exchanges(
+    model: nn.Module, *, required: bool = False
+) -> list[tuple[str, FixedBufferExchange]]:
+    """Every fixed exchange of ``model``, with its module's name; ``required``: at least one."""
     found = []
     for name, module in model.named_modules():
         exchange = getattr(getattr(module, "plan", None), "exchange", None)
         if isinstance(exchange, FixedBufferExchange):
             found.append((name, exchange))
+    if required and not found:
+        raise ValueError(
+            f"{type(model).__name__} holds no 'fixed' exchange; parallelize its experts with "
+            "exchange='fixed'"
+        )
     return found
 
 
@@ -398,12 +406,7 @@ def _overflow_table(model: nn.Module) -> tuple[list[tuple[str, FixedBufferExchan
     """Every fixed exchange of ``model`` and, per exchange and destination, the most rows that
     did not fit on any rank since the last reset: one all-reduce (MAX) over the default group,
     so every rank sees the same table."""
-    found = _fixed_exchanges(model)
-    if not found:
-        raise ValueError(
-            f"{type(model).__name__} holds no 'fixed' exchange; parallelize its experts with "
-            "exchange='fixed'"
-        )
+    found = _fixed_exchanges(model, required=True)
     dev = next((ex.overflow.device for _, ex in found if ex.overflow is not None), "cpu")
     table = torch.stack([
         torch.zeros(ex.mesh.size(), dtype=torch.int64, device=dev) if ex.overflow is None
@@ -438,12 +441,7 @@ def needed_buffer_factor(model: nn.Module) -> float:
     all-reduce (MAX), so every rank gets the same value; ``0.0`` before any forward. Read it
     over a few steps to choose the factor; it is highest early in training, when the routing
     is most skewed."""
-    found = _fixed_exchanges(model)
-    if not found:
-        raise ValueError(
-            f"{type(model).__name__} holds no 'fixed' exchange; parallelize its experts with "
-            "exchange='fixed'"
-        )
+    found = _fixed_exchanges(model, required=True)
     dev = next((ex.demand.device for _, ex in found if ex.demand is not None), "cpu")
     most = torch.stack([ex.demand.detach().to(dev) if ex.demand is not None
                         else torch.zeros((), device=dev) for _, ex in found]).max()  # fmt: skip

@@ -38,6 +38,7 @@ from tests import _moe_layouts as layouts_tests
 from tests import test_fsdp_moe as fsdp_tests  # (its test class would rerun here)
 from tests import test_pipeline_schedule as schedule_tests
 from tests._dist import DistTestBase
+from tests.test_capacity_dist import CAPACITY, ShardwiseRun
 from tests._moe_model import global_batch, make_model
 from tests.test_exchange_backends import exchanges_of, pipeline_exchange
 from tests.test_pipeline_overlap import dualpipe_v_overlapped
@@ -233,6 +234,21 @@ class FixedExchangeTest(DistTestBase):
                 torch.testing.assert_close(fsdp_tests._avg(got), want, rtol=fsdp_tests.RTOL,
                                            atol=fsdp_tests.ATOL, msg=f"{name} loss {step}")  # fmt: skip
             fsdp_tests.FSDPMoETest._assert_params_match(self, model, ref, name)
+
+    @with_comms
+    def test_capacity_drops_as_one_device(self):
+        """Note [Expert capacity]: a capacity without ``pad_to_capacity`` (the mode it supports)
+        drops the same pairs as one device running each data shard, under EP4, with a factor
+        of ep (every kept row fits): 3 steps, output, input and every param gradient, aux loss,
+        bias and dropped pairs per expert; ``pad_to_capacity`` is refused by name
+        (``tests/test_exchange_backends.py``)."""
+        for options in (dict(drop_policy="probs"), dict(drop_policy="position")):
+            run = ShardwiseRun(LAYOUTS["ep4"], Case(2, 7, 2, 1), self.rank, exchange="fixed",
+                               **CAPACITY, **options)  # fmt: skip
+            self.assertEqual(run.model.experts.exchange.name, "fixed")
+            set_buffer_factor(run.model, 4.0)
+            run_steps(run, f"ep4 fixed {options}")
+            self.assertFalse(exchange_overflowed(run.model))
 
     @with_comms
     def test_uneven_shards_are_refused_on_every_rank(self):

@@ -17,8 +17,10 @@ public equivalent in torch 2.13; a helper here would only rename them.
         all-gather exchange's collectives, differentiable and traceable (all_gather_single,
         all_gather_single_autograd, reduce_scatter_single_autograd, wait_tensor)
     dtensor_moe/routed/fixed.py: torch.distributed._functional_collectives -- the fixed-buffer
-        exchange's static all-to-alls, differentiable and traceable (all_to_all_single,
-        all_to_all_single_autograd), and the buffer-size agreement (all_gather_single)
+        exchange's static all-to-alls, traceable (all_to_all_single, wait_tensor), and the
+        buffer-size agreement (all_gather_single)
+    dtensor_moe/demo/train.py: torch._dynamo.utils.counters -- dynamo's graph, break and
+        frame counts, which the demo reports under --compile (torch has no public reader)
     dtensor_moe/moe/losses.py: torch.distributed._functional_collectives -- the all-reduce of
         the global-batch router statistics (traceable under torch.compile)
     dtensor_moe/parallel/token_parallel.py: torch.distributed._functional_collectives -- the

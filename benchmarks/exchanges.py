@@ -25,11 +25,19 @@ share of the fullest rank pair's ``C`` slots that held rows in the last forward.
 On CPU, gloo runs an equal-split all-to-all (the fixed exchange's) as an all-gather of every
 rank's whole buffer and a chunk of it: each rank receives ``P`` times the bytes it keeps.
 
+``--device cuda``: the 4 processes share one GPU (CUDA tensors, layers and inputs on the device)
+and still talk over gloo, which copies every exchanged tensor through host memory (NCCL refuses
+two ranks on one device); each timed step ends with a device synchronize. The ratio then shows
+the layers' device work and their host reads (the all-to-all exchange reads its sizes on the
+host in every forward and backward), not what NCCL on separate GPUs would give.
+
 Run::
 
     python benchmarks/exchanges.py                                   # every preset, EP2 and EP4
     python benchmarks/exchanges.py --presets qwen3 --layouts ep4 --repeats 41
     python benchmarks/exchanges.py --exchanges fixed,all_to_all --layouts ep4,sp2ep --compile
+    python benchmarks/exchanges.py --exchanges fixed,all_to_all --layouts ep4 --device cuda \
+        --dtype bf16 --presets qwen3,deepseek-v3
 
 Every other option is ``benchmarks/moe_layer.py``'s (``--tokens`` per rank, ``--dim``,
 ``--threads``, ``--warmup``, ``--repeats``, ``--capacity-factor``, ``--compile-backend``, ...),
@@ -102,7 +110,7 @@ def _parse() -> tuple[argparse.Namespace, dict[str, argparse.Namespace]]:
     presets = {preset: _preset_args(preset, rest) for preset in own.presets}
     first = next(iter(presets.values()))
     own.threads, own.world = first.threads, moe_layer.PARALLEL[LAYOUTS[0]].world
-    own.compile = first.compile
+    own.compile, own.device = first.compile, first.device
     return own, presets
 
 
@@ -114,7 +122,7 @@ def _layers(
     from dtensor_moe.parallel import build_moe_meshes, parallelize_moe
 
     spec = moe_layer.PARALLEL[layout]
-    meshes = build_moe_meshes(**spec.meshes)
+    meshes = build_moe_meshes(**spec.meshes, device_type=args.device)
     moe, _, _ = moe_layer._build(args)
     layers = {name: copy.deepcopy(moe) for name in own.exchanges}  # the same weights
     for name, layer in layers.items():
@@ -159,7 +167,7 @@ def _measure(
         for name in names if repeat % 2 == 0 else names[::-1]:
             for p in params:
                 p.grad = None  # as after optimizer.zero_grad(): no accumulation
-            measured = moe_layer._timed_over_ranks(steps[name], world)
+            measured = moe_layer._timed_over_ranks(steps[name], world, synced=args.device != "cpu")
             if repeat >= args.warmup:
                 times[name].append(measured)
     saved = {}
@@ -181,6 +189,8 @@ def _measure(
 
 def _worker(rank: int, own: argparse.Namespace, presets: dict, port: int, queue: Any) -> None:
     torch.set_num_threads(own.threads)
+    if own.device == "cuda":
+        torch.cuda.set_device(0)  # every rank on the one GPU
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=own.world
     )
@@ -227,6 +237,8 @@ def main() -> None:
         f"exchange {num} / {den}, layer step (forward + backward): {own.world} gloo "
         f"processes x {first.threads} thread(s), tokens={first.tokens} per rank, "
         f"dim={first.dim}, dtype={first.dtype}, repeats={first.repeats}{factor}"
+        + (f", device {first.device} ({torch.cuda.get_device_name()}, shared by every rank)"
+           if first.device == "cuda" else "")
     )
     for (preset, layout), result in results.items():
         args, times = presets[preset], result["times"]

@@ -167,11 +167,14 @@ def _timed_synced(fn: Callable[[], None]) -> tuple[float, float]:
     return _timed_cpu(run)
 
 
-def _timed_over_ranks(fn: Callable[[], None], world: int) -> tuple[float, float]:
+def _timed_over_ranks(
+    fn: Callable[[], None], world: int, *, synced: bool = False
+) -> tuple[float, float]:
     """One call of ``fn`` on every rank, between barriers: the slowest rank's wall time, and the
-    process CPU time (all threads) averaged over the ``world`` ranks."""
+    process CPU time (all threads) averaged over the ``world`` ranks; ``synced``: the ranks'
+    device work included (:func:`_timed_synced`)."""
     dist.barrier()
-    wall, cpu = _timed_cpu(fn)
+    wall, cpu = (_timed_synced if synced else _timed_cpu)(fn)
     wall, cpu = torch.tensor([wall]), torch.tensor([cpu])
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpu)
@@ -367,7 +370,7 @@ def _parallel_input(args, layout: ParallelLayout, meshes, dtype) -> tuple[torch.
     tp = meshes.tp
     torch.manual_seed(1 + dist.get_rank() // tp)
     x = torch.randn(1, args.tokens * tp, args.dim, dtype=dtype)
-    grad_y = torch.randn_like(x)
+    x, grad_y = x.to(args.device), torch.randn_like(x).to(args.device)  # drawn on the CPU
     if tp == 1:
         return x.requires_grad_(), grad_y
     placement = [Shard(1) if layout.sequence_parallel else Replicate()]

@@ -10,10 +10,13 @@ them; ``docs/benchmarks.md`` ("On one GPU") says what a run on an H200 gave. The
 - that the default step gives the plain step's output bits, and a second run the first run's
   bits;
 - expert parallelism (EP4) on CUDA tensors, 4 processes sharing the GPU over gloo, against one
-  process;
+  process, with the all-to-all and the fixed-buffer exchanges, and the synchronizing CUDA calls
+  of a training step counted (none with the fixed exchange);
 - the options that reference does not model (capacity and dropping, recompute, scores before
   the experts, a gated shared expert, padding, router losses) against the same layer on the CPU,
   with the same routing and dropped pairs; and that the default path never syncs the host;
+- the layer's forward and backward captured in one CUDA graph and replayed on new inputs,
+  against eager steps;
 - ``torch.compile`` (inductor, so Triton kernels) against eager, with the graph breaks counted;
 - the fused Adam, AdamW and SGD CUDA kernels over DTensor params on several device meshes (a
   one-rank NCCL process group) against torch's own fused step on plain tensors, bit for bit and
@@ -304,6 +307,72 @@ def test_default_path_does_not_sync_the_host(name):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+def test_layer_step_captured_in_a_cuda_graph(name, dtype):
+    """One process: the layer's forward and backward captured whole in one CUDA graph (no host
+    read may happen inside a capture), then replayed on new inputs: output, ``x.grad`` and every
+    parameter gradient equal to eager steps of a copy of the layer on the same inputs.
+
+    Where torch's own ``_grouped_mm`` reads its offsets on the host for ``dtype`` (float32 on
+    torch 2.11's CUDA build: its fallback copies them to the CPU), no capture of it can hold:
+    the capture must then fail at that copy, and does nothing else wrong."""
+    _small_grouped_mm(dtype)  # warm: lazy inits may sync once
+    if _host_syncs(lambda: _small_grouped_mm(dtype)):
+        with pytest.raises(RuntimeError, match="CUDA graph capture"):
+            _captured_step(name, dtype)
+        return
+    _captured_step(name, dtype)
+
+
+def _small_grouped_mm(dtype: torch.dtype) -> None:
+    x = torch.randn(64, 32, device=DEVICE, dtype=dtype)
+    w = torch.randn(4, 32, 16, device=DEVICE, dtype=dtype)
+    offs = torch.tensor([16, 32, 40, 56], device=DEVICE, dtype=torch.int32)
+    torch.cuda.synchronize()
+    torch._grouped_mm(x, w, offs=offs)
+
+
+def _captured_step(name: str, dtype: torch.dtype) -> None:
+    moe = make_moe(dtype, **CONFIGS[name])
+    eager = copy.deepcopy(moe)
+    static_x = _x(dtype).requires_grad_()
+    gen = torch.Generator().manual_seed(1)
+    static_g = torch.randn(static_x.shape, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
+
+    def step():
+        static_x.grad = None
+        moe.zero_grad(set_to_none=True)
+        y = moe(static_x)
+        y.backward(static_g)
+        return y
+
+    side = torch.cuda.Stream()  # warm up off the default stream, as torch's docs do
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    static_x.grad = None
+    moe.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_y = moe(static_x)
+        static_y.backward(static_g)
+    for seed in (3, 4):
+        new_x = torch.randn(static_x.shape, generator=torch.Generator().manual_seed(seed))
+        new_x = new_x.to(DEVICE, dtype)
+        with torch.no_grad():
+            static_x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        y, x_grad, grads = run_layer(eager, new_x)
+        errors = {"output": rel_err(static_y, y), "x.grad": rel_err(static_x.grad, x_grad)}
+        errors.update({n: rel_err(q.grad, grads[n]) for n, q in moe.named_parameters()})
+        assert max(errors.values()) <= REL_TOL[dtype], (seed, errors)
+
+
 # ---- optimizers, GradScaler and grad clipping over several meshes -------------------------
 
 
@@ -429,10 +498,27 @@ def test_inductor_matches_eager(name, dtype):
     assert max(errors.values()) <= REL_TOL[dtype], errors
 
 
-EP_RANK_TIMEOUT_S = 120
+EP_RANK_TIMEOUT_S = int(os.environ.get("DTENSOR_MOE_EP_TIMEOUT", "120"))  # seconds
 
 
-def _ep_worker(rank: int, world: int, port: int, results) -> None:
+def _host_syncs(step) -> list[str]:
+    """The synchronizing CUDA calls this thread makes in ``step()`` (CUDA's sync debug mode,
+    warnings), each as ``file:line: message``. Only this thread's calls: gloo copies CUDA
+    tensors through host memory in threads of its own, which the mode does not report here."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in seen
+            if "synchronizing" in str(w.message)]
+
+
+def _ep_worker(rank: int, world: int, port: int, exchange: str, results) -> None:
     """One rank of :func:`test_expert_parallel_on_the_device_matches_one_process`."""
     import faulthandler
 
@@ -453,7 +539,7 @@ def _ep_worker(rank: int, world: int, port: int, results) -> None:
         ref = MoE(cfg).to(DEVICE)
         moe = copy.deepcopy(ref)
         parallelize_moe(moe, build_moe_meshes(dp=world, ep=world, device_type=DEVICE),
-                        sequence_parallel=False)
+                        sequence_parallel=False, exchange=exchange)
         gen = torch.Generator().manual_seed(1)
         xs = torch.randn(world, 2, 16, 64, generator=gen).to(DEVICE)
         gs = torch.randn(world, 2, 16, 64, generator=gen).to(DEVICE)
@@ -467,7 +553,18 @@ def _ep_worker(rank: int, world: int, port: int, results) -> None:
             if not name.startswith("experts."):  # replicated: each rank's share of the sum
                 dist.all_reduce(grad)
             errors[name] = float((grad - q.grad).abs().max() / q.grad.abs().max())
-        results.put((rank, errors))
+        syncs = None
+        if DEVICE == "cuda":  # in bf16, as test_default_path_does_not_sync_the_host: a training
+            # step after a first one (where the fixed exchange agrees on its buffer size)
+            fast = MoE(cfg).to(DEVICE, torch.bfloat16)
+            parallelize_moe(fast, build_moe_meshes(dp=world, ep=world, device_type=DEVICE),
+                            sequence_parallel=False, exchange=exchange)
+            x16, g16 = x.detach().bfloat16().requires_grad_(), gs[rank].bfloat16()
+            fast(x16).backward(g16)
+            torch.cuda.synchronize()
+            syncs = _host_syncs(lambda: fast(x16).backward(g16))
+            torch.cuda.synchronize()
+        results.put((rank, (errors, syncs)))
     except Exception:  # reported by the test, rather than a timeout of the others
         import traceback
 
@@ -477,10 +574,14 @@ def _ep_worker(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_expert_parallel_on_the_device_matches_one_process():
+@pytest.mark.parametrize("exchange", ["all_to_all", "fixed"])
+def test_expert_parallel_on_the_device_matches_one_process(exchange):
     """EP4 on CUDA tensors: 4 processes share the GPU over gloo (NCCL refuses two ranks on one
     device; gloo's all-to-all takes CUDA tensors): input and every parameter gradient against
-    the same layer in one process on the device."""
+    the same layer in one process on the device, with the all-to-all exchange and the
+    fixed-buffer one. Then the synchronizing CUDA calls of one more training step, per rank
+    (CUDA's sync debug mode): none with the fixed exchange; the all-to-all exchange reads its
+    exchange sizes on the host, forward and backward."""
     import socket
 
     import torch.multiprocessing as mp
@@ -490,7 +591,8 @@ def test_expert_parallel_on_the_device_matches_one_process():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_ep_worker, args=(r, 4, port, results)) for r in range(4)]
+    procs = [ctx.Process(target=_ep_worker, args=(r, 4, port, exchange, results))
+             for r in range(4)]
     for p in procs:
         p.start()
     got = {}
@@ -501,6 +603,14 @@ def test_expert_parallel_on_the_device_matches_one_process():
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0, p.exitcode
-    for rank, errors in sorted(got.items()):
+    for rank, (errors, syncs) in sorted(got.items()):
         for name, err in errors.items():
             assert err < 1e-5, (rank, name, err)
+        if syncs is not None:
+            print(f"\n{exchange} rank {rank}: {len(syncs)} synchronizing CUDA calls in a step")
+            for line in syncs:
+                print("   ", line)
+            if exchange == "fixed":
+                assert syncs == [], syncs
+            else:  # the sizes read on the host: the detector sees them
+                assert syncs, "the sync debug mode saw no host read of the all-to-all exchange"

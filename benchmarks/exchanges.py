@@ -22,8 +22,9 @@ Also printed per exchange: the bytes one training forward saves for backward, pe
 largest over ranks; ``benchmarks/moe_memory.py``'s count), and, for the fixed exchange, the
 share of the fullest rank pair's ``C`` slots that held rows in the last forward.
 
-On CPU, gloo runs an equal-split all-to-all (the fixed exchange's) as an all-gather of every
-rank's whole buffer and a chunk of it: each rank receives ``P`` times the bytes it keeps.
+The fixed exchange sends every peer its whole block of ``C`` rows, empty slots included, where
+the all-to-all exchange sends the rows that exist and keeps this rank's own rows out of the
+collective.
 
 ``--device cuda``: the 4 processes share one GPU (CUDA tensors, layers and inputs on the device)
 and still talk over gloo, which copies every exchanged tensor through host memory (NCCL refuses

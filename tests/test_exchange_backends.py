@@ -151,11 +151,13 @@ class AllGatherExchangeTest(DistTestBase):
     @with_comms
     def test_collective_counts(self):
         """One training forward and backward of an EP4 layer (B=2, L=7, top-2, one shared
-        expert), counted on the second step (the first adds the identical-token check), for
-        each backend. All-gather: the sizes, the tokens with their weights, the ids, then the
-        outputs' reduce-scatter; its backward mirrors the two that carry gradients."""
+        expert), counted on the second step (the first adds the identical-token check, and the
+        fixed exchange's agreement on its buffer size), for each backend. All-gather: the sizes,
+        the tokens with their weights, the ids, then the outputs' reduce-scatter; its backward
+        mirrors the two that carry gradients. Fixed: the counts, the rows, the outputs; its
+        backward, the two gradients."""
         lines = []
-        for exchange in ("all_to_all", "all_gather"):
+        for exchange in ("all_to_all", "all_gather", "fixed"):
             meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
             torch.manual_seed(0)
             model = parallelize_moe(MoE(make_config(COUNT_CASE)), meshes, sequence_parallel=False,
@@ -172,7 +174,8 @@ class AllGatherExchangeTest(DistTestBase):
             "\n".join(lines),
             """\
 all_to_all: forward alltoall_base_=3 | backward alltoall_base_=2
-all_gather: forward all_gather_into_tensor=3 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 reduce_scatter_tensor=1""",  # noqa: E501
+all_gather: forward all_gather_into_tensor=3 reduce_scatter_tensor=1 | backward all_gather_into_tensor=1 reduce_scatter_tensor=1
+fixed: forward alltoall_base_=3 | backward alltoall_base_=2""",  # noqa: E501
         )
 
     @with_comms

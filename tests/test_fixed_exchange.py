@@ -87,7 +87,8 @@ class HostReads(TorchDispatchMode):
 
 
 class NanIntoCollectives(TorchDispatchMode):
-    """Records the functional collectives that get a NaN in a tensor argument."""
+    """Records the collectives (c10d's, as the eager exchange runs them, and the functional
+    ones) that get a NaN in a tensor argument."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -96,10 +97,13 @@ class NanIntoCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # the collectives themselves (not wait_tensor, nor the wrap of a buffer being filled)
-        if func.namespace == "_c10d_functional" and func.__name__.startswith(("all_", "reduce")):
+        if func.namespace == "c10d" and func.__name__.startswith(("all", "reduce")) or (
+            func.namespace == "_c10d_functional" and func.__name__.startswith(("all_", "reduce"))
+        ):
             self.checked += 1
+            sent = args[1:2] if func.__name__.startswith("alltoall_base_") else args  # not its output
             if any(isinstance(a, torch.Tensor) and a.is_floating_point() and bool(a.isnan().any())
-                   for a in args):  # fmt: skip
+                   for a in sent):  # fmt: skip
                 self.seen.append(func.__name__)
         return func(*args, **(kwargs or {}))
 

@@ -17,7 +17,8 @@ the layer (``reads_host_sizes`` is ``False``):
 1. the ``T * X`` pairs are sorted by destination rank, then local expert, then token; a pair's
    slot is its destination's block start plus its place in the block. The per-expert counts
    travel ahead as a fixed ``P * e`` all-to-all; the rows, each with its combine weight as one
-   more column, as one ``(P * C, D + 1)`` all-to-all with equal splits. Empty slots are zero.
+   more column, as one ``(P * C, D + 1)`` all-to-all with equal splits, gathered straight into
+   the buffer that travels. Empty slots are zero.
 2. the receiver groups its ``P * C`` rows by local expert on the device (an ``argsort`` of a key
    built from the received counts), the empty slots last. The ``torch._grouped_mm`` offsets
    (from the device counts) end at the last real row, so the experts compute the rows that
@@ -28,7 +29,7 @@ the layer (``reads_host_sizes`` is ``False``):
 3. the outputs return in slot order by the reverse all-to-all, and each token sums its rows.
 
 A pair whose place in its destination's block is ``C`` or more does not fit: it is not sent and
-its output is zero. The exchange records, on the device, the most rows that did not fit per
+its output is zero (it names the void slot, Note [The void slot]). The exchange records, on the device, the most rows that did not fit per
 destination (:attr:`FixedBufferExchange.overflow`, a running maximum, so an activation-
 checkpoint recompute does not count twice); nothing is read until the caller asks, once per
 step: :func:`exchange_overflowed` (one all-reduce) or :func:`check_exchanges` (raises on every
@@ -36,8 +37,10 @@ rank, naming the layer, the rank pair, the rows and the factor that would have h
 :func:`step_without_overflow` runs a step function again with a grown factor until no rank
 overflows, before any optimizer step (Note [Re-running an overflowed step]).
 
-Collectives on the mesh, all functional with static splits: forward all-to-all x 3 (counts,
-rows, outputs), backward x 2. On CPU (gloo) torch runs each as an all-gather and a chunk.
+Collectives on the mesh, all with static splits: forward all-to-all x 3 (counts, rows,
+outputs), backward x 2. Eager, c10d's ``all_to_all_single`` writes each into its result (with
+the void slot's row after it where one is needed); under ``torch.compile``, the functional
+collective, which dynamo traces.
 """
 
 # ruff: noqa: N803, N806
@@ -67,7 +70,9 @@ from dtensor_moe.routed.layouts import (
     PaddedPairs,
     PairSubset,
     PositionalFunction,
+    _with_void_row,
     pack_rows,
+    sum_rows,
     unpermute_and_reduce,
 )
 
@@ -198,18 +203,25 @@ class FixedBufferExchange(TokenExchange):
         starts_P = torch.cumsum(per_rank_P, 0) - per_rank_P
         place_N = torch.arange(T * X, device=dev) - starts_P.index_select(0, dest_N.clamp(max=P - 1))
         fits_N = (dest_N < P) & (place_N < C)
-        slot_N = torch.where(fits_N, dest_N * C + place_N, P * C)  # no fit: the void row
+        M = P * C
+        slot_N = torch.where(fits_N, dest_N * C + place_N, M)  # no fit: the void slot
         row_TX = torch.empty_like(order_N).index_put_((order_N,), slot_N).view(T, X)
         self._record(per_rank_P, C, T * X)
-        sent = PaddedPairs(
-            token_N=torch.div(order_N, X, rounding_mode="floor"), order_N=order_N, row_N=slot_N,
-            row_TK=row_TX, counts_e=per_rank_P.clamp(max=C), num_rows=P * C, void_row=True,
-        )  # fmt: skip
-        rows_MD1 = pack_rows(x_TD, scores_TX, sent, scaled=self.score_before_experts)
-        arrived_Pe = _launched(funcol.all_to_all_single(counts_X, None, None, self._group))
-        arrived_Pe = arrived_Pe.view(P, e)
-        rows_MD1 = _SlotExchange.run(rows_MD1, self._group)
-        perm_M, counts_e, inv_M, filled_M1 = _group_by_expert(arrived_Pe, C)
+        token_N = torch.div(order_N, X, rounding_mode="floor")
+        if self.score_before_experts:  # the rows scaled, then the void slot (the rare option)
+            sent = PaddedPairs(
+                token_N=token_N, order_N=order_N, row_N=slot_N, row_TK=row_TX,
+                counts_e=per_rank_P.clamp(max=C), num_rows=M, void_row=True,
+            )  # fmt: skip
+            packed_M1W = _with_void_row(pack_rows(x_TD, scores_TX, sent, scaled=True))
+        else:  # each slot's token (T: none) and pair (T * X: none); the void slot holds none
+            token_M1 = torch.full((M + 1,), T, device=dev).index_put_((slot_N,), token_N)
+            pair_M1 = torch.full((M + 1,), T * X, device=dev).index_put_((slot_N,), order_N)
+            token_M1[M], pair_M1[M] = T, T * X
+            packed_M1W = _PackSlots.run(x_TD, scores_TX, token_M1, pair_M1, row_TX)
+        arrived_Pe = _exchange_slots(counts_X, self._group, False, False).view(P, e)
+        rows_MW = _SlotExchange.run(packed_M1W, self._group, True, False)
+        perm_M, counts_e, inv_M, empty_M1 = _group_by_expert(arrived_Pe, C)
         return Routed(
             source=x_TD,
             scores=scores_TX,
@@ -221,25 +233,27 @@ class FixedBufferExchange(TokenExchange):
             row_TK=row_TX,
             order_N=None,
             void_row=True,
-            exchange=(rows_MD1, perm_M, counts_e, inv_M, filled_M1),
+            exchange=(rows_MW, perm_M, counts_e, inv_M, empty_M1),
         )
 
     def receive(self, routed: Routed) -> Received:
         """The received rows and their weights grouped by local expert, empty slots last."""
-        rows_MS, perm_M, counts_e, inv_M, filled_M1 = routed.exchange  # the first use waits
+        rows_MW, perm_M, counts_e, inv_M, empty_M1 = routed.exchange
         layout = DeviceCounts(counts_e=counts_e, num_rows=perm_M.numel())
         split = not self.score_before_experts  # the weights travel as the last column
-        rows_MD, scores_M = _Regroup.run(rows_MS, perm_M, inv_M, filled_M1, split)
+        rows_MD, scores_M = _Regroup.run(rows_MW, perm_M, inv_M, empty_M1, split)
         return Received(rows=rows_MD, scores=scores_M if split else None, layout=layout)
 
     def send_back(self, out_RD: torch.Tensor, routed: Routed) -> torch.Tensor:
-        """The outputs back in slot order, and on their way to the ranks they came from."""
-        _, perm_M, _, inv_M, filled_M1 = routed.exchange
-        in_slots_MD = _Restore.run(out_RD, perm_M, inv_M, filled_M1)
-        return _SlotExchange.run(in_slots_MD, self._group)
+        """The outputs back in slot order, and on their way to the ranks they came from; they
+        arrive with the void slot, a zero row, after them (Note [The void slot])."""
+        _, perm_M, _, inv_M, empty_M1 = routed.exchange
+        in_slots_MD = _Restore.run(out_RD, perm_M, inv_M, empty_M1)
+        return _SlotExchange.run(in_slots_MD, self._group, False, True)
 
     def _combine(self, local_RD: torch.Tensor, routed: Routed, returning: Any) -> torch.Tensor:
-        return unpermute_and_reduce(returning, routed.row_TK, None, void_row=True)
+        # ``returning`` holds the void slot itself: a pair that did not fit reads its zero row
+        return unpermute_and_reduce(returning, routed.row_TK, None)
 
     @property
     def last_fill(self) -> float | None:
@@ -269,30 +283,96 @@ class FixedBufferExchange(TokenExchange):
         return f"{super().__repr__()[:-1]}, buffer_factor={self.buffer_factor})"
 
 
-def _launched(t: torch.Tensor) -> torch.Tensor:
-    """After a functional collective is issued: the hand-over point of ``overlap_f_b`` (Note
-    [Exchange protocol]: ``hands_over_launches``), then ``t`` waited for."""
-    if not torch.compiler.is_compiling():
-        announce_launch()
-    return funcol.wait_tensor(t)
+# Note [The void slot]
+# ~~~~~~~~~~~~~~~~~~~~
+# A pair that does not fit its destination's block names slot ``M = P * C``, one past the
+# buffer: the void slot, a zero row on this rank's side of the exchange. The buffers that this
+# rank gathers from or sums over carry it as their last row: the packed rows (``(M + 1, W)``:
+# the void slot holds no token, and its row is not sent) and the outputs that come back (the
+# exchange writes the ``M`` received rows into an ``(M + 1, D)`` buffer whose last row it
+# zeroes). The gradients mirror it: the exchange of the packed rows' gradient returns an
+# ``(M + 1, W)`` buffer with a zero last row, and that of the outputs' gradient sends the first
+# ``M`` rows of the combine's ``(M + 1, D)`` gradient. So a pair that did not fit gathers a
+# zero row and sums zero, forward and backward, and no buffer is copied to append a row.
+
+
+def _exchange_slots(
+    rows: torch.Tensor, group: Any, void_in: bool, void_out: bool
+) -> torch.Tensor:
+    """The equal-split all-to-all of ``rows`` (without its last row, the void slot, if
+    ``void_in``); the result with a zero void slot after the received rows if ``void_out``
+    (Note [The void slot]). Eager: a c10d collective written straight into the result, handing
+    over after the launch (Note [Exchange protocol]: ``hands_over_launches``); under
+    ``torch.compile``: a functional collective, which dynamo traces."""
+    send = (rows[:-1] if void_in else rows).contiguous()
+    if torch.compiler.is_compiling():
+        out = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, group))
+        return torch.cat((out, out.new_zeros(1, *out.shape[1:]))) if void_out else out
+    M = send.shape[0]
+    out = send.new_empty(M + int(void_out), *send.shape[1:])
+    work = dist.all_to_all_single(out[:M], send, group=group, async_op=True)
+    announce_launch()
+    work.wait()
+    if void_out:
+        out[M:].zero_()
+    return out
 
 
 class _SlotExchange(PositionalFunction):
-    """The equal-split all-to-all of a buffer of ``P * C`` rows, forward and backward (the
-    backward is the same exchange of the gradient); a functional collective each way, so that
-    ``torch.compile`` traces it, handing over at each launch (:func:`_launched`)."""
+    """:func:`_exchange_slots` forward and backward (the backward is the same exchange of the
+    gradient, the void slot on the other side)."""
 
     @staticmethod
-    def forward(rows_MS: torch.Tensor, group: Any) -> torch.Tensor:
-        return _launched(funcol.all_to_all_single(rows_MS, None, None, group))
+    def forward(rows: torch.Tensor, group: Any, void_in: bool, void_out: bool) -> torch.Tensor:
+        return _exchange_slots(rows, group, void_in, void_out)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.group = inputs[1]
+        ctx.group, ctx.void_in, ctx.void_out = inputs[1], inputs[2], inputs[3]
 
     @staticmethod
-    def backward(ctx: Any, grad_MS: torch.Tensor) -> tuple:
-        return _SlotExchange.run(grad_MS.contiguous(), ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _SlotExchange.run(grad, ctx.group, ctx.void_out, ctx.void_in), None, None, None
+
+
+class _PackSlots(PositionalFunction):
+    """The ``(M + 1, D + 1)`` send buffer: slot ``m`` holds token ``token_M1[m]``'s row and
+    pair ``pair_M1[m]``'s weight as its last column; empty slots and the void slot zero (Note
+    [The void slot]). One gather per column group, into the buffer. Backward: each token sums
+    its pairs' rows in ``k`` order (as the all-to-all exchange's gather does, so the bits
+    agree), and each pair takes its slot's last column; a pair that did not fit reads the void
+    slot's zero row."""
+
+    @staticmethod
+    def forward(
+        x_TD: torch.Tensor,
+        scores_TX: torch.Tensor,
+        token_M1: torch.Tensor,
+        pair_M1: torch.Tensor,
+        row_TX: torch.Tensor,
+    ) -> torch.Tensor:
+        x_T1D = torch.cat((x_TD, x_TD.new_zeros(1, x_TD.shape[1])))
+        s_N1 = torch.cat((scores_TX.reshape(-1), scores_TX.new_zeros(1)))
+        if torch.compiler.is_compiling():  # dynamo takes no strided out=
+            return torch.cat((x_T1D.index_select(0, token_M1),
+                              s_N1.index_select(0, pair_M1).unsqueeze(1)), dim=1)  # fmt: skip
+        packed = x_TD.new_empty(token_M1.numel(), x_TD.shape[1] + 1)
+        torch.index_select(x_T1D, 0, token_M1, out=packed[:, :-1])
+        torch.index_select(s_N1, 0, pair_M1, out=packed[:, -1])
+        return packed
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.save_for_backward(inputs[4])
+        ctx.scores_shape = inputs[1].shape
+
+    @staticmethod
+    def backward(ctx: Any, grad_M1W: torch.Tensor) -> tuple:
+        (row_TX,) = ctx.saved_tensors
+        # the weight column is summed along (no copy of a strided view), then cut off
+        grad_TD = sum_rows(grad_M1W, row_TX)[:, :-1]
+        grad_TX = grad_M1W[:, -1].index_select(0, row_TX.reshape(-1)).view(ctx.scores_shape)
+        return grad_TD, grad_TX, None, None, None
 
 
 def _group_by_expert(
@@ -300,7 +380,7 @@ def _group_by_expert(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The order that groups the received ``(P, C)`` slots by local expert (source rank, then
     slot, inside a group; the empty slots last), each expert's row count, the inverse order, and
-    a ``(P * C, 1)`` mask of the slots that hold rows. All on the device."""
+    a ``(P * C, 1)`` mask of the empty slots. All on the device."""
     P, e = arrived_Pe.shape
     dev = arrived_Pe.device
     ends_Pe = torch.cumsum(arrived_Pe, 1).clamp(max=C)  # what fits of each block
@@ -310,8 +390,8 @@ def _group_by_expert(
     perm_M = torch.argsort((expert_PC * (P * C)).view(-1) + slots_M)  # empty: expert e, last
     inv_M = torch.empty_like(perm_M).index_put_((perm_M,), slots_M)
     counts_e = torch.diff(ends_Pe, dim=1, prepend=ends_Pe.new_zeros(P, 1)).sum(0)
-    filled_M1 = (slot_C < ends_Pe[:, -1:]).view(P * C, 1)
-    return perm_M, counts_e, inv_M, filled_M1
+    empty_M1 = (slot_C >= ends_Pe[:, -1:]).view(P * C, 1)
+    return perm_M, counts_e, inv_M, empty_M1
 
 
 # Note [Rows past the last offset]
@@ -321,47 +401,49 @@ def _group_by_expert(
 # rows unwritten (whatever the allocator held, NaN included), in forward and in its input
 # gradient. The two moves between slot order and expert order therefore write zeros wherever
 # an empty slot would take such a row: ``_Restore`` (outputs to slots) in its forward,
-# ``_Regroup`` (received slots to expert order) in its backward, with ``torch.where``, which
-# selects and never multiplies. Every op between them is row-wise or reads the row groups
+# ``_Regroup`` (received slots to expert order) in its backward, with ``masked_fill_`` on the
+# gathered rows, which selects and never multiplies. Every op between them is row-wise or reads the row groups
 # only, so nothing unwritten reaches a real row, an output or a gradient.
 # ``tests/test_fixed_exchange.py::test_grouped_mm_leaves_rows_past_the_last_offset`` shows
 # the unwritten rows these guards are for.
 
 
 class _Regroup(PositionalFunction):
-    """``rows_MS.index_select(0, perm_M)``: the received slots in expert order; with ``split``,
+    """``rows_MW.index_select(0, perm_M)``: the received slots in expert order; with ``split``,
     the rows and the weights of the last column apart (the rows a fresh, aligned buffer).
     Backward: the inverse gather, the empty slots zero (Note [Rows past the last offset])."""
 
     @staticmethod
     def forward(
-        rows_MS: torch.Tensor,
+        rows_MW: torch.Tensor,
         perm_M: torch.Tensor,
         inv_M: torch.Tensor,
-        filled_M1: torch.Tensor,
+        empty_M1: torch.Tensor,
         split: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not split:
-            return rows_MS.index_select(0, perm_M), rows_MS.new_empty(0)
-        return rows_MS[:, :-1].index_select(0, perm_M), rows_MS[:, -1].index_select(0, perm_M)
+            return rows_MW.index_select(0, perm_M), rows_MW.new_empty(0)
+        return rows_MW[:, :-1].index_select(0, perm_M), rows_MW[:, -1].index_select(0, perm_M)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        rows_MS, _, inv_M, filled_M1, split = inputs
-        ctx.save_for_backward(inv_M, filled_M1)
-        ctx.split, ctx.width = split, rows_MS.shape[-1]
+        rows_MW, _, inv_M, empty_M1, split = inputs
+        ctx.save_for_backward(inv_M, empty_M1)
+        ctx.split, ctx.width = split, rows_MW.shape[-1]
 
     @staticmethod
     def backward(ctx: Any, grad_MD: torch.Tensor, grad_M: torch.Tensor) -> tuple:
-        inv_M, filled_M1 = ctx.saved_tensors
-        zero = grad_MD.new_zeros(())
+        inv_M, empty_M1 = ctx.saved_tensors
         if not ctx.split:
-            return torch.where(filled_M1, grad_MD.index_select(0, inv_M), zero), *(None,) * 4
-        grad_MS = grad_MD.new_empty(grad_MD.shape[0], ctx.width)
-        rows_MD = torch.where(filled_M1, grad_MD.index_select(0, inv_M), zero)
-        scores_M = torch.where(filled_M1[:, 0], grad_M.index_select(0, inv_M), zero)
-        grad_MS[:, :-1], grad_MS[:, -1] = rows_MD, scores_M  # dynamo takes no strided out=
-        return grad_MS, *(None,) * 4
+            grad_MW = grad_MD.index_select(0, inv_M)
+        elif torch.compiler.is_compiling():  # dynamo takes no strided out=
+            grad_MW = torch.cat((grad_MD.index_select(0, inv_M),
+                                 grad_M.index_select(0, inv_M).unsqueeze(1)), dim=1)  # fmt: skip
+        else:  # both gathers straight into the buffer that travels
+            grad_MW = grad_MD.new_empty(grad_MD.shape[0], ctx.width)
+            torch.index_select(grad_MD, 0, inv_M, out=grad_MW[:, :-1])
+            torch.index_select(grad_M, 0, inv_M, out=grad_MW[:, -1])
+        return grad_MW.masked_fill_(empty_M1, 0), *(None,) * 4
 
 
 class _Restore(PositionalFunction):
@@ -371,9 +453,9 @@ class _Restore(PositionalFunction):
 
     @staticmethod
     def forward(
-        out_RD: torch.Tensor, perm_M: torch.Tensor, inv_M: torch.Tensor, filled_M1: torch.Tensor
+        out_RD: torch.Tensor, perm_M: torch.Tensor, inv_M: torch.Tensor, empty_M1: torch.Tensor
     ) -> torch.Tensor:
-        return torch.where(filled_M1, out_RD.index_select(0, inv_M), out_RD.new_zeros(()))
+        return out_RD.index_select(0, inv_M).masked_fill_(empty_M1, 0)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -31,7 +31,11 @@ def _run(*args: str, returncode: int = 0) -> str:
 
 
 def test_optimizer_step_benchmark_prints_every_case_and_mode():
-    out = _run("benchmarks/optimizer_step.py", "--steps", "2", "--repeats", "1")
+    # CI: every case with all 4 ranks stepping at once; DTENSOR_MOE_FULL_MATRIX=1 adds the
+    # script's default modes (one rank per core as well: 2 at once on 2 cores, the same
+    # _timed_turns code with more turns)
+    modes = [] if FULL else ["--concurrency", "4"]
+    out = _run("benchmarks/optimizer_step.py", "--steps", "2", "--repeats", "1", *modes)
     lines = [line for line in out.splitlines() if "ranks stepping at once" in line]
     cases = {line.split(",")[0].strip() for line in lines}
     assert cases == {"200 x 64x64", "8 x 1024x1024"}, out
@@ -46,7 +50,10 @@ def test_muon_step_benchmark_prints_both_layouts():
     assert all(len(cells) == 11 and float(cells[4]) > 0 for cells in rows.values()), out
 
 
-@pytest.mark.parametrize("layout", ["single", "ep2tp2"])
+# CI: ep2tp2, whose rank 0 prints the same lines and profile tables as the single process; the
+# single process runs the same script in test_moe_layer_benchmark_presets and
+# test_moe_layer_benchmark_capacity. DTENSOR_MOE_FULL_MATRIX=1 adds "single" here.
+@pytest.mark.parametrize("layout", (["single"] if FULL else []) + ["ep2tp2"])
 def test_moe_layer_benchmark_runs(layout):
     # The parallel run also takes the --free-exchanges diagnostic (one launch instead of two;
     # a real parallel step runs in test_moe_layer_benchmark_presets[ep4]).
@@ -218,9 +225,13 @@ def test_down_backward_benchmark_compares_the_four_variants():
 
 
 def test_exchanges_benchmark_prints_a_ratio_per_preset_and_layout():
-    # the fixed and all-to-all exchanges in the same 4 processes, one preset at EP4 and SP2+EP2
+    # the fixed and all-to-all exchanges in the same 4 processes, one preset at EP4 (CI) and
+    # SP2+EP2 (DTENSOR_MOE_FULL_MATRIX=1: a second layout of the same timing loop, about 15 s;
+    # both exchanges under SP2 + EP2 are checked against one process in
+    # tests/test_fixed_exchange.py)
+    layouts = ["ep4", "sp2ep"] if FULL else ["ep4"]
     out = _run("benchmarks/exchanges.py", "--exchanges", "fixed,all_to_all", "--presets", "qwen3",
-               "--layouts", "ep4,sp2ep", "--tokens", "32", "--dim", "16", "--warmup", "1",
+               "--layouts", ",".join(layouts), "--tokens", "32", "--dim", "16", "--warmup", "1",
                "--repeats", "2")  # fmt: skip
     assert out.startswith("exchange fixed / all_to_all, layer step (forward + backward): "
                           "4 gloo processes x 1 thread(s), tokens=32 per rank, dim=16, "), out
@@ -231,7 +242,7 @@ def test_exchanges_benchmark_prints_a_ratio_per_preset_and_layout():
                        rf"{ratio}; process CPU per rank {ratio}; saved for backward per rank "
                        rf"fixed [\d.]+ MiB, all_to_all [\d.]+ MiB; fixed buffer slots used "
                        rf"[\d.]+% \(the fullest pair\)$", out, re.M)  # fmt: skip
-    assert lines == [("qwen3", "ep4"), ("qwen3", "sp2ep")], out
+    assert lines == [("qwen3", layout) for layout in layouts], out
     err = _run("benchmarks/exchanges.py", "--pad-to-capacity", returncode=2)
     assert "--pad-to-capacity is not taken here" in err, err
 

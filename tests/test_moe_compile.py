@@ -8,6 +8,7 @@ pinned here."""
 from __future__ import annotations
 
 import copy
+import os
 
 import expecttest
 import pytest
@@ -21,6 +22,7 @@ from dtensor_moe import MoE, MoEConfig
 from dtensor_moe.demo.model import Block, ModelConfig
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+FULL = os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1"
 
 
 def close(actual, expected, dtype, msg):
@@ -126,7 +128,9 @@ def test_block_compiles_and_matches_eager_with_activation_checkpointing():
 def test_graph_breaks_are_pinned():
     x = torch.randn(2, 13, 64)
     results = {}
-    for nested in (False, True):
+    # CI: torch's default counting; nested_graph_breaks gives the same counts (see below):
+    # DTENSOR_MOE_FULL_MATRIX=1 pins them too
+    for nested in (False, True) if FULL else (False,):
         for path in ("auto", "loop", "pad4"):
             for train in (False, True):
                 options = dict(pad_multiple=4) if path == "pad4" else dict(compute_path=path)
@@ -142,21 +146,27 @@ def test_graph_breaks_are_pinned():
     # calls the experts module eagerly from its own frame (Note [Eager islands under
     # torch.compile]), so torch's default counting (one break per nested frame around a
     # break) gives the same counts as nested_graph_breaks.
-    expecttest.assert_expected_inline(
-        "\n".join(f"{k}: graphs={g} breaks={b}" for k, (g, b) in results.items()),
-        """\
-auto eval: graphs=1 breaks=0
-auto train: graphs=1 breaks=1
-loop eval: graphs=2 breaks=1
-loop train: graphs=2 breaks=1
-pad4 eval: graphs=2 breaks=1
-pad4 train: graphs=2 breaks=1
+    lines = [f"{k}: graphs={g} breaks={b}" for k, (g, b) in results.items()]
+    if FULL:
+        expecttest.assert_expected_inline(
+            "\n".join(line for line in lines if line.startswith("nested ")),
+            """\
 nested auto eval: graphs=1 breaks=0
 nested auto train: graphs=1 breaks=1
 nested loop eval: graphs=2 breaks=1
 nested loop train: graphs=2 breaks=1
 nested pad4 eval: graphs=2 breaks=1
 nested pad4 train: graphs=2 breaks=1""",
+        )
+    expecttest.assert_expected_inline(
+        "\n".join(line for line in lines if not line.startswith("nested ")),
+        """\
+auto eval: graphs=1 breaks=0
+auto train: graphs=1 breaks=1
+loop eval: graphs=2 breaks=1
+loop train: graphs=2 breaks=1
+pad4 eval: graphs=2 breaks=1
+pad4 train: graphs=2 breaks=1""",
     )
 
 

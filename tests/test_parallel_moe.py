@@ -14,7 +14,10 @@ rank's gradient, summed over the documented groups, is divided by ``dp``.
 Matrix: layouts x B in {1, 2} x L in {8 (divisible), 7 (not divisible), 1 (fewer
 tokens than ranks: a tp rank with zero tokens)} x top_k in {1, 2} x shared experts {0, 1}.
 The CI subset, ``CI_CASES``, runs three cases per layout that together take every value of
-every axis; ``DTENSOR_MOE_FULL_MATRIX=1`` runs the whole product.
+every axis, on the overlapped exchange (the default); the plain exchange (``overlap=False``) runs
+the first of them, and a test's second layout (the "gather" dispatch, EP over tp and dp ranks)
+runs the first case on both. ``DTENSOR_MOE_FULL_MATRIX=1`` runs the whole product on both
+exchange paths.
 
 Shape legend: B sequences per data shard, L tokens per sequence, D dim, E experts.
 """
@@ -81,7 +84,8 @@ class Case:
 
 FULL_MATRIX = [Case(*c) for c in itertools.product((1, 2), (8, 7, 1), (1, 2), (0, 1))]
 CI_CASES = [Case(2, 7, 2, 1), Case(1, 1, 1, 0), Case(1, 8, 2, 0)]
-CASES = FULL_MATRIX if os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1" else CI_CASES
+FULL = os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1"
+CASES = FULL_MATRIX if FULL else CI_CASES
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, msg: str) -> None:
@@ -257,6 +261,16 @@ OPTION_RUNS = [  # other MoEConfig options, one case each: (layout, overrides)
 ]
 
 
+def plain_in_ci(overrides: dict) -> bool:
+    """Whether CI runs an option run on the plain exchange (``overlap=False``) as well as on
+    the overlapped one: for the options that change the rows it moves (padding, with scores
+    before the experts and with the loop path; H < D). The plain path of the routing-only
+    options, and of ep2's loop (which is about the overlapped exchange), is the code that each
+    layout's own test runs on the plain exchange; DTENSOR_MOE_FULL_MATRIX=1 runs both paths on
+    every option run."""
+    return "pad_multiple" in overrides or "hidden_dim" in overrides
+
+
 def run_steps(run: ParallelRun, where: str) -> None:
     """``STEPS`` training steps of ``run``, every comparison at ``TOL``, then the params."""
     for step in range(STEPS):
@@ -268,11 +282,23 @@ def run_steps(run: ParallelRun, where: str) -> None:
     run.check_params(lambda a, e, w: close(a, e, f"{where}: {w}"))
 
 
+def layout_runs(cases, second: bool = False, plain: bool = True) -> list[tuple[bool, Case]]:
+    """The (overlap, case) runs of one layout. Both settings of ExpertParallel(overlap=...):
+    the own rows computed while the other rows' outputs travel, and every row through the
+    exchange. ``DTENSOR_MOE_FULL_MATRIX=1``: both on every case. CI: the overlapped path (the
+    default) on every case and the plain one on the first (``plain=False``: none); a test's
+    ``second`` layout, the first case on both paths (its other cases and plain runs repeat the
+    first layout's code path, which CI runs on every case)."""
+    if FULL:
+        return list(itertools.product((True, False), cases))
+    if second:
+        cases = cases[:1]
+    return [(True, case) for case in cases] + ([(False, cases[0])] if plain else [])
+
+
 class ParallelMoEParityTest(DistTestBase):
-    def _run_layout(self, name: str, cases=None, **config) -> None:
-        # Both settings of ExpertParallel(overlap=...): the own rows computed while the other
-        # rows' outputs travel, and every row through the exchange, on the same matrix.
-        for overlap, case in itertools.product((True, False), cases or CASES):
+    def _run_layout(self, name: str, cases=None, second=False, plain=True, **config) -> None:
+        for overlap, case in layout_runs(cases or CASES, second, plain):
             run = ParallelRun(LAYOUTS[name], case, self.rank, overlap=overlap, **config)
             run_steps(run, f"{name} {case} overlap={overlap} {config}")
 
@@ -287,17 +313,17 @@ class ParallelMoEParityTest(DistTestBase):
     @with_comms
     def test_expert_tp2(self):
         self._run_layout("etp2")
-        self._run_layout("etp2_gather")
+        self._run_layout("etp2_gather", second=True)
 
     @with_comms
     def test_ep2_x_tp2(self):
         self._run_layout("ep2tp2")
-        self._run_layout("ep2tp2_gather")
+        self._run_layout("ep2tp2_gather", second=True)
 
     @with_comms
     def test_sp2_ep_borrows_tp(self):
         self._run_layout("sp2ep2")
-        self._run_layout("sp2ep4")
+        self._run_layout("sp2ep4", second=True)
 
     @with_comms
     def test_tp2_replicate_input_ep_borrows_tp(self):
@@ -306,7 +332,7 @@ class ParallelMoEParityTest(DistTestBase):
     @with_comms
     def test_config_options(self):
         for name, overrides in OPTION_RUNS:
-            self._run_layout(name, [Case(2, 7, 2, 1)], **overrides)
+            self._run_layout(name, [Case(2, 7, 2, 1)], plain=plain_in_ci(overrides), **overrides)
 
     @with_comms
     def test_all_gather_exchange(self):
@@ -316,7 +342,7 @@ class ParallelMoEParityTest(DistTestBase):
         change its dispatch: padding, scores before the experts, the loop path with ``H < D``.
         Capacity and pipeline schedules: ``tests/test_exchange_backends.py``."""
         cases = CASES if CASES is FULL_MATRIX else [Case(2, 7, 2, 1)]
-        for name, case in itertools.product(AG_LAYOUTS, cases):
+        for name, case in itertools.product(AG_LAYOUTS if FULL else AG_CI_LAYOUTS, cases):
             run = ParallelRun(LAYOUTS[name], case, self.rank, exchange="all_gather")
             run_steps(run, f"{name} {case} all_gather")
         for name, overrides in AG_OPTION_RUNS:
@@ -326,6 +352,11 @@ class ParallelMoEParityTest(DistTestBase):
 
 
 AG_LAYOUTS = ("ep2", "ep4", "ep2tp2", "ep2tp2_gather", "sp2ep2", "sp2ep4", "tp2ep2")
+# CI leaves out the second layouts of ep2tp2 and sp2ep2 (the "gather" dispatch, EP over tp and
+# dp ranks): their all-gather exchange is the code that ep2tp2 and sp2ep2 run here, and the
+# layouts themselves run in test_ep2_x_tp2 and test_sp2_ep_borrows_tp.
+# DTENSOR_MOE_FULL_MATRIX=1 runs the all-gather exchange on them too.
+AG_CI_LAYOUTS = ("ep2", "ep4", "ep2tp2", "sp2ep2", "tp2ep2")
 AG_OPTION_RUNS = [
     ("ep4", {"pad_multiple": 4, "score_before_experts": True}),
     ("ep2", {"compute_path": "loop", "hidden_dim": 8}),

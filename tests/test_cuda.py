@@ -515,7 +515,7 @@ def _host_syncs(step) -> list[str]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in seen
-            if "synchronizing" in str(w.message)]
+            if "called a synchronizing" in str(w.message)]
 
 
 def _ep_worker(rank: int, world: int, port: int, exchange: str, results) -> None:

@@ -217,7 +217,8 @@ class FixedBufferExchange(TokenExchange):
         else:  # each slot's token (T: none) and pair (T * X: none); the void slot holds none
             token_M1 = torch.full((M + 1,), T, device=dev).index_put_((slot_N,), token_N)
             pair_M1 = torch.full((M + 1,), T * X, device=dev).index_put_((slot_N,), order_N)
-            token_M1[M], pair_M1[M] = T, T * X
+            token_M1[M:].fill_(T)  # a kernel: an indexed assignment of a number copies it
+            pair_M1[M:].fill_(T * X)  # from the host, a sync on CUDA
             packed_M1W = _PackSlots.run(x_TD, scores_TX, token_M1, pair_M1, row_TX)
         arrived_Pe = _exchange_slots(counts_X, self._group, False, False).view(P, e)
         rows_MW = _SlotExchange.run(packed_M1W, self._group, True, False)

@@ -255,16 +255,77 @@ class FixedExchangeTest(DistTestBase):
             self.assertFalse(exchange_overflowed(run.model))
 
     @with_comms
-    def test_uneven_shards_are_refused_on_every_rank(self):
-        """Under SP with a sequence that tp does not divide, the ranks' buffers differ: every
-        rank raises the same error before the exchange's collectives."""
+    def test_uneven_shards_match_one_process(self):
+        """Note [The agreed size]: under SP with a sequence that tp does not divide, the ranks
+        route 16 and 12 pairs; the buffers are sized for 16 on every rank, and 3 training
+        steps match one process."""
         run = ParallelRun(LAYOUTS["sp2ep2"], Case(2, 7, 2, 1), self.rank, exchange="fixed")
-        with self.assertRaisesRegex(
-            ValueError,
-            r"the 'fixed' exchange over DeviceMesh\(.*\) needs the same buffer on every rank, "
-            r"got rank \d: 16, rank \d: 8 rows per rank pair",
-        ):
-            run.distributed_forward_backward()
+        run_steps(run, "sp2ep2 fixed, L=7")
+        self.assertEqual(run.model.experts.exchange.agreed_pairs, 16)
+        self.assertFalse(exchange_overflowed(run.model))
+
+    @with_comms
+    def test_batches_that_change_on_some_ranks(self):
+        """Note [The agreed size]: batch sizes that change on some ranks only (a ragged batch,
+        then a batch that grew) run no collective the other ranks do not reach, and give the
+        all-to-all exchange's output and gradients bit for bit. Step 1: 16 tokens on every
+        rank (32 pairs, agreed at the first forward). Step 2: ranks 1 and 3 route 8 tokens
+        (smaller: the same buffers, less filled). Step 3, at factor 1.0: rank 0 routes 24
+        tokens (48 pairs): the strict policy names the batch that grew and the size; the read
+        raised the agreed size on every rank, and the same step run again fits. Step 4, at
+        factor 1.5: rank 2 routes 48 tokens; ``step_without_overflow`` runs it again at the
+        grown size, and leaves the factor as it was."""
+        meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
+        torch.manual_seed(0)
+        ref = MoE(make_config(CASE))
+        models = {name: parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
+                                        exchange=name, ep_overlap=False)
+                  for name in ("fixed", "all_to_all")}  # fmt: skip
+        fixed = models["fixed"].experts.exchange
+        gen = torch.Generator().manual_seed(self.rank)
+        lengths = {1: 8, 2: 4 if self.rank in (1, 3) else 8, 3: 12 if self.rank == 0 else 8,
+                   4: 24 if self.rank == 2 else 8}
+
+        def step(name, x):
+            model = models[name]
+            for p in model.parameters():
+                p.grad = None
+            xi = x.clone().requires_grad_()
+            y = model(xi)
+            y.square().sum().backward()
+            return [y, xi.grad, *(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                                  for p in model.parameters())]  # fmt: skip
+
+        for number, L in lengths.items():
+            x = torch.randn(2, L, D, generator=gen)
+            expected = step("all_to_all", x)
+            got = step("fixed", x)
+            if number == 4:  # 96 pairs on rank 2 against buffers of 24 rows: a re-run, and no
+                runs = []  # growth of the factor, as the agreed size grew
+                got = step_without_overflow(models["fixed"],
+                                            lambda: runs.append(1) or step("fixed", x))  # fmt: skip
+                self.assertEqual((len(runs), fixed.agreed_pairs, fixed.buffer_factor),
+                                 (2, 96, 1.5))  # fmt: skip
+            if number == 3:  # 48 pairs on rank 0 against buffers sized for 32, at factor 1
+                with self.assertRaisesRegex(
+                    RuntimeError,
+                    r"the fixed exchange of 'experts' over DeviceMesh\(.*\) had \d+ rows that "
+                    r"did not fit its buffer of 8 rows towards rank \d: a rank routed 48 pairs, "
+                    r"more than the 32 the buffers were sized for \(a batch that grew\)",
+                ):
+                    check_exchanges(models["fixed"])
+                self.assertEqual(fixed.agreed_pairs, 48)
+                got = step("fixed", x)  # C = 1.0 * 48 / 4 = 12, rounded up to 16
+            check_exchanges(models["fixed"])  # nothing did not fit
+            # 1.25 * 32 / 4, then 1.0 * 48 / 4, then 1.5 * 96 / 4, rounded up to 8
+            self.assertEqual(fixed.last_rows_per_pair, 40 if number == 4 else 16)
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            if number == 2:
+                self.assertEqual(fixed.agreed_pairs, 32)  # a smaller batch leaves it
+                set_buffer_factor(models["fixed"], 1.0)  # C = 8: step 3 cannot fit on rank 0
+            if number == 3:
+                set_buffer_factor(models["fixed"], 1.5)  # C = 24: step 4 cannot fit on rank 2
 
     @with_comms
     def test_strict_policy_names_the_layer_the_pair_and_the_factor(self):

@@ -9,10 +9,11 @@ Shape legend:
 Note [Fixed-buffer exchange]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Registered as ``"fixed"``. Every rank sends every rank of its mesh a block of exactly ``C``
-rows, ``C = buffer_factor * T * X / P`` (the balanced share of a rank pair, times the factor)
-rounded up to a multiple of 8. Every size is a Python int known from the shapes, so forward and
-backward read nothing on the host, and ``torch.compile`` traces the exchange with the rest of
-the layer (``reads_host_sizes`` is ``False``):
+rows, ``C = buffer_factor * N / P`` (the balanced share of a rank pair, times the factor)
+rounded up to a multiple of 8, where ``N`` is the agreed size: the most pairs a rank of the mesh
+routes (Note [The agreed size]). Every size is a Python int on the host, so forward and backward
+read nothing on the host, and ``torch.compile`` traces the exchange with the rest of the layer
+(``reads_host_sizes`` is ``False``):
 
 1. the ``T * X`` pairs are sorted by destination rank, then local expert, then token; a pair's
    slot is its destination's block start plus its place in the block. The per-expert counts
@@ -41,6 +42,21 @@ Collectives on the mesh, all with static splits: forward all-to-all x 3 (counts,
 outputs), backward x 2. Eager, c10d's ``all_to_all_single`` writes each into its result (with
 the void slot's row after it where one is needed); under ``torch.compile``, the functional
 collective, which dynamo traces.
+
+Note [The agreed size]
+~~~~~~~~~~~~~~~~~~~~~~
+An equal-split exchange needs the same ``C`` on every rank, and ranks may route different
+numbers of pairs (a sequence that tp does not divide under SP, a ragged last batch). The ranks
+agree on ``N``, the most pairs any of them routes, at the layer's first forward (one all-gather
+and host read, which every rank makes there). After that no forward runs a collective of its
+own: a rank that routes fewer pairs fills less of the same buffer, and one that routes more
+than ``N`` sends what fits and records the rest as rows that did not fit, as for skewed routing.
+The step's read (:func:`exchange_overflowed`, :func:`check_exchanges`,
+:func:`step_without_overflow`, one all-reduce that every rank makes at the same point) raises
+``N`` on every rank to the most pairs a rank routed in its last forward, so the next step's
+buffers hold a batch that grew; :func:`step_without_overflow` runs the step again at the new
+size before it grows the factor. ``N`` never shrinks (a smaller batch underfills). A rank
+whose batch size alone changes therefore never waits in a collective the others do not reach.
 """
 
 # ruff: noqa: N803, N806
@@ -119,7 +135,10 @@ class FixedBufferExchange(TokenExchange):
         self.overflow: torch.Tensor | None = None
         self.last_rows_per_pair = 0  # C of the last forward, for the strict policy's message
         self.last_num_pairs = 0  # the pairs this rank routed in the last forward (T * X)
-        self._agreed: set[int] = set()  # the C every rank of the mesh was checked to use
+        # N of Note [The agreed size], as text (Note [The factor as text]); None before the
+        # first forward
+        self._pairs_text: str | None = None
+        self.agreed_before: int | None = None  # N before the last step's read raised it
         self._last_sent_P: torch.Tensor | None = None  # rows sent per destination, last forward
         # the largest balanced share's multiple that one destination asked for (running max)
         self.demand: torch.Tensor | None = None
@@ -146,9 +165,21 @@ class FixedBufferExchange(TokenExchange):
         self._factor_text = repr(float(factor))
 
     def rows_per_pair(self, num_pairs: int) -> int:
-        """``C`` for ``num_pairs`` routed pairs on this rank (Note [Fixed-buffer exchange])."""
+        """``C`` for ``num_pairs`` routed pairs per rank at this factor (Note [Fixed-buffer
+        exchange]); the buffer uses :attr:`agreed_pairs`."""
         share = float(self._factor_text) * num_pairs / self.mesh.size()
         return max(_ALIGN, _round_up(math.ceil(share), _ALIGN))
+
+    @property
+    def agreed_pairs(self) -> int | None:
+        """``N`` of Note [The agreed size]: the most pairs a rank of the mesh routes, as the
+        ranks last agreed; ``None`` before the first forward."""
+        return None if self._pairs_text is None else int(self._pairs_text)
+
+    def _agree_pairs(self, most: int) -> None:
+        """Raise ``N`` to ``most`` (Note [The agreed size]); every rank makes the same call."""
+        if self._pairs_text is None or most > int(self._pairs_text):
+            self._pairs_text = str(most)
 
     def check_routing(
         self,
@@ -158,27 +189,15 @@ class FixedBufferExchange(TokenExchange):
         counts_E: torch.Tensor,
         capacity: Capacity | None = None,
     ) -> None:
-        """The base class's checks, and that every rank of the mesh uses the same ``C``
-        (Note [Fixed-buffer exchange]): an equal-split exchange of unequal buffers would fail
-        or hang. One all-gather and host read the first time a rank meets a size (under
-        ``torch.compile``, a graph break then: run one eager step at a new shape first)."""
+        """The base class's checks; at the layer's first forward, the agreed size ``N``, the
+        most pairs a rank of the mesh routes (Note [The agreed size]): one all-gather and host
+        read, on every rank at once (under ``torch.compile``, a graph break on that forward
+        only)."""
         super().check_routing(x_TD, topk_scores_TK, topk_ids_TK, counts_E, capacity)
-        C = self.rows_per_pair(topk_ids_TK.numel() * self.replicas)
-        if C in self._agreed:
+        if self._pairs_text is not None:
             return
-        sizes = funcol.all_gather_single(
-            torch.tensor([C], device=x_TD.device), 0, self.mesh
-        ).tolist()
-        if len(set(sizes)) > 1:
-            per_rank = ", ".join(f"rank {r}: {c}" for r, c in zip(self.ranks, sizes, strict=True))
-            raise ValueError(
-                f"the 'fixed' exchange over {self.mesh} needs the same buffer on every rank, got "
-                f"{per_rank} rows per rank pair (buffer_factor={self.buffer_factor} times each "
-                "rank's tokens x top_k / ranks). Give every rank the same number of tokens (the "
-                "same batch shape; under sequence parallelism a sequence length divisible by "
-                "tp), or use exchange='all_to_all'"
-            )
-        self._agreed.add(C)
+        mine = torch.tensor([topk_ids_TK.numel() * self.replicas], device=x_TD.device)
+        self._agree_pairs(max(funcol.all_gather_single(mine, 0, self.mesh).tolist()))
 
     def sort_and_send(
         self,
@@ -194,7 +213,10 @@ class FixedBufferExchange(TokenExchange):
             scores_TK, topk_ids_TK, counts_E, experts_per_rank=e, replicas=self.replicas
         )
         T, X = ids_TX.shape
-        C = self.last_rows_per_pair = self.rows_per_pair(T * X)
+        if self._pairs_text is None:  # check_routing agrees on N before any forward
+            raise RuntimeError("the 'fixed' exchange routed before its ranks agreed on a size")
+        N = int(self._pairs_text)  # Note [The agreed size]
+        C = self.last_rows_per_pair = self.rows_per_pair(N)
         self.last_num_pairs = T * X
         ids_N = ids_TX.reshape(-1).clamp(max=G)  # dropped for capacity: past every destination
         order_N = torch.argsort(ids_N, stable=True)
@@ -206,7 +228,7 @@ class FixedBufferExchange(TokenExchange):
         M = P * C
         slot_N = torch.where(fits_N, dest_N * C + place_N, M)  # no fit: the void slot
         row_TX = torch.empty_like(order_N).index_put_((order_N,), slot_N).view(T, X)
-        self._record(per_rank_P, C, T * X)
+        self._record(per_rank_P, C, N)
         token_N = torch.div(order_N, X, rounding_mode="floor")
         if self.score_before_experts:  # the rows scaled, then the void slot (the rare option)
             sent = PaddedPairs(
@@ -270,7 +292,8 @@ class FixedBufferExchange(TokenExchange):
 
     def _record(self, per_rank_P: torch.Tensor, C: int, num_pairs: int) -> None:
         """On the device: the running maxima of the rows that did not fit per destination and
-        of the factor the fullest destination needed; the rows sent, for :attr:`last_fill`."""
+        of the factor the fullest destination needed (over the balanced share of the agreed
+        size ``num_pairs``); the rows sent, for :attr:`last_fill`."""
         over_P = (per_rank_P - C).clamp(min=0)
         needed = per_rank_P.max().to(torch.float32) * (self.mesh.size() / max(num_pairs, 1))
         if self.overflow is None or self.overflow.device != over_P.device:
@@ -488,16 +511,26 @@ def _fixed_exchanges(
 def _overflow_table(model: nn.Module) -> tuple[list[tuple[str, FixedBufferExchange]], torch.Tensor]:
     """Every fixed exchange of ``model`` and, per exchange and destination, the most rows that
     did not fit on any rank since the last reset: one all-reduce (MAX) over the default group,
-    so every rank sees the same table."""
+    so every rank sees the same table. The same all-reduce raises each exchange's agreed size
+    to the most pairs a rank routed in its last forward (Note [The agreed size]); each
+    exchange's ``agreed_before`` is what it was before."""
     found = _fixed_exchanges(model, required=True)
     dev = next((ex.overflow.device for _, ex in found if ex.overflow is not None), "cpu")
     table = torch.stack([
-        torch.zeros(ex.mesh.size(), dtype=torch.int64, device=dev) if ex.overflow is None
-        else ex.overflow.detach().to(dev) for _, ex in found
+        torch.cat((
+            torch.zeros(ex.mesh.size(), dtype=torch.int64, device=dev) if ex.overflow is None
+            else ex.overflow.detach().to(dev),
+            torch.tensor([ex.last_num_pairs], dtype=torch.int64, device=dev),
+        )) for _, ex in found
     ])  # fmt: skip
     if dist.is_initialized():
         dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    return found, table.cpu()
+    table = table.cpu()
+    for (_, exchange), most in zip(found, table[:, -1].tolist(), strict=True):
+        exchange.agreed_before = exchange.agreed_pairs
+        if exchange.agreed_pairs is not None:  # not before a first forward
+            exchange._agree_pairs(most)
+    return found, table[:, :-1]
 
 
 def exchange_overflowed(model: nn.Module) -> bool:
@@ -546,8 +579,17 @@ def check_exchanges(model: nn.Module) -> None:
     name, exchange = found[i]
     rows = int(table[i, q])
     C = exchange.last_rows_per_pair
+    before, now = exchange.agreed_before, exchange.agreed_pairs
+    if before is not None and now is not None and now > before:  # Note [The agreed size]
+        raise RuntimeError(
+            f"the fixed exchange of {name or '<root>'!r} over {exchange.mesh} had {rows} rows "
+            f"that did not fit its buffer of {C} rows towards rank {exchange.ranks[q]}: a rank "
+            f"routed {now} pairs, more than the {before} the buffers were sized for (a batch "
+            "that grew). The buffers hold it from the next step on; run this step again, or "
+            "run steps with step_without_overflow, which does"
+        )
     # the rows the pair needed over the balanced share (C itself was rounded up from its own)
-    needed = (C + rows) * exchange.mesh.size() / max(exchange.last_num_pairs, 1)
+    needed = (C + rows) * exchange.mesh.size() / max(before or 1, 1)
     raise RuntimeError(
         f"the fixed exchange of {name or '<root>'!r} over {exchange.mesh} had {rows} rows that "
         f"did not fit its buffer of {C} rows towards rank {exchange.ranks[q]} (buffer_factor="
@@ -599,8 +641,11 @@ def step_without_overflow(
             p.grad = None
         for buffer, before in counters:
             buffer.copy_(before)
+        found = _fixed_exchanges(model)
+        if any(ex.agreed_pairs != ex.agreed_before for _, ex in found):
+            continue  # a batch that grew: the buffers follow it first (Note [The agreed size])
         if attempt + 1 < max_tries:
-            factor = max(ex.buffer_factor for _, ex in _fixed_exchanges(model)) * grow
+            factor = max(ex.buffer_factor for _, ex in found) * grow
             set_buffer_factor(model, factor)
     raise RuntimeError(
         f"step_without_overflow: rows still did not fit after {max_tries} runs (buffer_factor "

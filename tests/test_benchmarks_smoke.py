@@ -20,14 +20,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 FULL = os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1"
 
 
-def _run(*args: str, returncode: int = 0) -> str:
-    """Run a script; its stdout, or its stderr when it is expected to fail (argparse: 2)."""
+def _run(*args: str) -> str:
+    """Run a script, which must succeed; its stdout. (A script's refusal of bad flags is
+    checked in this process: :func:`_script_exit`.)"""
     proc = subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
         check=False,
     )
-    assert proc.returncode == returncode, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout if returncode == 0 else proc.stderr
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
 
 
 def test_optimizer_step_benchmark_prints_every_case_and_mode():
@@ -79,7 +80,7 @@ def test_moe_layer_benchmark_runs(layout):
 
 # CI: the preset in one process; DTENSOR_MOE_FULL_MATRIX=1 adds it under EP4 (about 20 s)
 @pytest.mark.parametrize("layout", ["single"] + (["ep4"] if FULL else []))
-def test_moe_layer_benchmark_presets(layout):
+def test_moe_layer_benchmark_presets(layout, monkeypatch, capsys):
     out = _run(
         "benchmarks/moe_layer.py", "--layout", layout, "--preset", "deepseek-v3", "--tokens",
         "64", "--dim", "32", "--warmup", "1", "--repeats", "2",
@@ -87,12 +88,8 @@ def test_moe_layer_benchmark_presets(layout):
     assert f"preset=deepseek-v3 layout={layout} tokens=64 dim=32 hidden=64 experts=256 " \
         "top_k=8 shared=1 " in out, out
     assert "step / floor (median of per-repeat ratios):" in out, out
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/moe_layer.py", "--preset", "qwen3", "--experts", "4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "--preset qwen3 sets --experts; leave them out" in proc.stderr, proc.stderr
+    err = _moe_layer_parse_error(monkeypatch, capsys, "--preset", "qwen3", "--experts", "4")
+    assert "--preset qwen3 sets --experts; leave them out" in err, err
 
 
 # --compile's column (about 20 s): DTENSOR_MOE_FULL_MATRIX=1; the compiled layer itself is
@@ -127,7 +124,7 @@ if FULL:
         assert int(dynamo[1]) >= 1 and int(dynamo[2]) >= 1 and dynamo[3] == "0", out
 
 
-def test_moe_layer_benchmark_capacity():
+def test_moe_layer_benchmark_capacity(monkeypatch, capsys):
     """The capacity flags of docs/benchmarks.md reach MoEConfig, and the padded layer compiles
     with the dropless layer's one break (the counter update). Under EP the same flags compile
     whole too (pinned in tests/test_capacity_dist.py; not rerun here, to keep CI short)."""
@@ -139,26 +136,40 @@ def test_moe_layer_benchmark_capacity():
     assert "capacity_factor=1.25 pad_to_capacity" in out, out
     assert "step / floor (median of per-repeat ratios):" in out, out
     assert "1 graphs, 1 graph breaks, recompiles during the timed repeats: 0" in out, out
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/moe_layer.py", "--pad-to-capacity"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert proc.returncode == 2 and "--pad-to-capacity needs --capacity-factor" in proc.stderr
+    err = _moe_layer_parse_error(monkeypatch, capsys, "--pad-to-capacity")
+    assert "--pad-to-capacity needs --capacity-factor" in err, err
+
+
+def _script_exit(monkeypatch, capsys, script: str, entry: str, *args: str) -> tuple:
+    """Run ``benchmarks/<script>.py``'s ``entry`` (``main`` or ``_parse``) on ``args`` in this
+    process, where it must stop with ``SystemExit``: its exit code (argparse's 2, or the message
+    of a ``SystemExit(message)``, which ``python script.py`` prints to stderr with exit status
+    1) and its stderr. No interpreter start (seconds each on 2 cores) for a refusal; each script
+    also runs for real in its test above."""
+    spec = importlib.util.spec_from_file_location(f"{script}_bench", ROOT / "benchmarks" /
+                                                  f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look themselves up
+    # against_baseline.py and exchanges.py import their neighbour moe_layer.py: put the folder
+    # on the path, and have monkeypatch drop that module again afterwards
+    monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])
+    if "moe_layer" not in sys.modules:
+        monkeypatch.setitem(sys.modules, "moe_layer", None)  # undo: delete the key
+        del sys.modules["moe_layer"]
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        getattr(module, entry)()
+    return exit_.value.code, capsys.readouterr().err
 
 
 def _moe_layer_parse_error(monkeypatch, capsys, *args: str) -> str:
-    """``benchmarks/moe_layer.py``'s argument check, in this process (no interpreter start):
-    its stderr when it refuses ``args`` with argparse's exit status 2."""
-    spec = importlib.util.spec_from_file_location("moe_layer_bench", ROOT / "benchmarks" /
-                                                  "moe_layer.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look themselves up
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", ["moe_layer.py", *args])
-    with pytest.raises(SystemExit) as exit_:
-        module._parse()
-    assert exit_.value.code == 2
-    return capsys.readouterr().err
+    """``benchmarks/moe_layer.py``'s argument check, in this process: its stderr when it
+    refuses ``args`` with argparse's exit status 2."""
+    code, err = _script_exit(monkeypatch, capsys, "moe_layer", "_parse", *args)
+    assert code == 2, (code, err)
+    return err
 
 
 def test_device_flags_are_checked_before_running(monkeypatch, capsys):
@@ -172,9 +183,9 @@ def test_device_flags_are_checked_before_running(monkeypatch, capsys):
         err = _moe_layer_parse_error(monkeypatch, capsys, *args)
         assert message in err, (args, err)
     if not torch.cuda.is_available():
-        for script in ("optimizer_step.py", "hf_block.py"):
-            err = _run(f"benchmarks/{script}", "--device", "cuda", returncode=2)
-            assert "--device cuda is not available here" in err, err
+        for script in ("optimizer_step", "hf_block"):
+            code, err = _script_exit(monkeypatch, capsys, script, "main", "--device", "cuda")
+            assert code == 2 and "--device cuda is not available here" in err, (script, err)
 
 
 def test_hf_block_benchmark_checks_parity_and_prints_ratios():
@@ -194,7 +205,7 @@ def test_hf_block_benchmark_checks_parity_and_prints_ratios():
 @pytest.mark.parametrize(
     "layout", ["single"] + (["ep4"] if FULL else [])
 )
-def test_against_baseline_times_both_layers_in_one_run(layout, tmp_path):
+def test_against_baseline_times_both_layers_in_one_run(layout, tmp_path, monkeypatch, capsys):
     # this checkout against itself: both packages are imported, built with the same weights and
     # stepped on the same data; the ratios are printed with their quartiles. CI runs "single"
     # (about 10 s); DTENSOR_MOE_FULL_MATRIX=1 adds the 4-process "ep4" (about 25 s)
@@ -207,8 +218,9 @@ def test_against_baseline_times_both_layers_in_one_run(layout, tmp_path):
     for what in ("step (wall, slowest rank)", "process CPU per rank"):
         assert re.search(rf"^{re.escape(what)}: this [\d.]+ ms, baseline [\d.]+ ms; this / "
                          r"baseline [\d.]+ \(quartiles [\d.]+-[\d.]+\)$", out, re.M), out
-    err = _run("benchmarks/against_baseline.py", "--baseline", str(tmp_path), returncode=1)
-    assert f"--baseline {tmp_path}: no dtensor_moe package there" in err, err
+    code, _ = _script_exit(monkeypatch, capsys, "against_baseline", "main", "--baseline",
+                           str(tmp_path))  # fmt: skip
+    assert f"--baseline {tmp_path}: no dtensor_moe package there" in str(code), code
 
 
 def test_down_backward_benchmark_compares_the_four_variants():
@@ -224,7 +236,7 @@ def test_down_backward_benchmark_compares_the_four_variants():
     assert kept["plain"] > kept["sac-save-down"] > kept["ours"], out
 
 
-def test_exchanges_benchmark_prints_a_ratio_per_preset_and_layout():
+def test_exchanges_benchmark_prints_a_ratio_per_preset_and_layout(monkeypatch, capsys):
     # the fixed and all-to-all exchanges in the same 4 processes, one preset at EP4 (CI) and
     # SP2+EP2 (DTENSOR_MOE_FULL_MATRIX=1: a second layout of the same timing loop, about 15 s;
     # both exchanges under SP2 + EP2 are checked against one process in
@@ -243,11 +255,11 @@ def test_exchanges_benchmark_prints_a_ratio_per_preset_and_layout():
                        rf"fixed [\d.]+ MiB, all_to_all [\d.]+ MiB; fixed buffer slots used "
                        rf"[\d.]+% \(the fullest pair\)$", out, re.M)  # fmt: skip
     assert lines == [("qwen3", layout) for layout in layouts], out
-    err = _run("benchmarks/exchanges.py", "--pad-to-capacity", returncode=2)
-    assert "--pad-to-capacity is not taken here" in err, err
+    code, err = _script_exit(monkeypatch, capsys, "exchanges", "_parse", "--pad-to-capacity")
+    assert code == 2 and "--pad-to-capacity is not taken here" in err, err
 
 
-def test_fixed_overflow_benchmark_prints_every_factor():
+def test_fixed_overflow_benchmark_prints_every_factor(monkeypatch, capsys):
     # one demo run (EP over 4 ranks, 3 steps of a small model) at the probe factor, then the
     # overflow count per factor from its recorded rows per rank pair (no second run)
     out = _run("benchmarks/fixed_overflow.py", "--steps", "3", "--layouts", "ep4",
@@ -271,5 +283,5 @@ def test_fixed_overflow_benchmark_prints_every_factor():
         # the fullest pair's rows (needed x N / P) fit C exactly when no step overflowed
         assert (int(over) == 0) == (needed * n / 4 <= int(c) + 1e-9), (factor, out)
         assert (first == "-") == (last == "-") == (over == "0") == (reruns == "0"), out
-    err = _run("benchmarks/fixed_overflow.py", "--factors", "0.5", returncode=2)
-    assert "--factors must each be >= 1.0, got [0.5]" in err, err
+    code, err = _script_exit(monkeypatch, capsys, "fixed_overflow", "_parse", "--factors", "0.5")
+    assert code == 2 and "--factors must each be >= 1.0, got [0.5]" in err, err

@@ -225,11 +225,18 @@ def test_pipeline_process_count_of_plain_launch():
     assert _plain_world(None, None, None) == 4
 
 
-def test_pipeline_flag_stops_before_starting(tmp_path):
+def test_pipeline_flag_stops_before_starting(tmp_path, monkeypatch, capsys):
+    # main() as `python -m dtensor_moe.demo` runs it (sys.exit(main())), in this process: the
+    # interpreter's exit status and stderr are checked by test_invalid_layout_stops_before_starting
+    from dtensor_moe.demo.launch import main
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
     flags = ["--pp", "2", "--schedule", "interleaved", "--out", str(tmp_path)]
-    proc = _run([sys.executable, "-m", "dtensor_moe.demo", *flags], timeout=60)
-    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines() == [
+    assert main(flags) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out
+    assert captured.err.strip().splitlines() == [
         "python -m dtensor_moe.demo: error: --layers 2 cannot be split evenly over the 4 stages "
         "of --pp 2 --schedule interleaved (2 per pp rank); choose --layers a multiple of 4"
     ]

@@ -89,12 +89,19 @@ class DemoConfig:
 
     @property
     def routed_pairs(self) -> int:
-        """``N``: the (token, expert) rows one rank hands its exchange per forward (one
-        micro-batch under ``--pp``): this rank's tokens times top-k, times tp under expert TP
-        (each row goes to every tp slice of its expert). Exact when the tokens split evenly
-        over tp, which ``--exchange fixed`` requires (:func:`resolve_config`)."""
+        """``N``: the most (token, expert) rows one rank hands its exchange per forward (one
+        micro-batch under ``--pp``): the tokens of the fullest tp rank times top-k, times tp
+        under expert TP (each row goes to every tp slice of its expert). The fixed exchange
+        sizes its buffers for it (Note [The agreed size] in ``dtensor_moe/routed/fixed.py``).
+        Under sequence parallelism a tp rank routes its shard of every sequence (DTensor's
+        ``Shard(1)``, the first shards one longer when tp does not divide the length);
+        otherwise, or with a sequence shorter than tp, ``1/tp`` of the flattened tokens
+        (Note [Token-parallel MoE] in ``dtensor_moe/parallel/token_parallel.py``)."""
         rows = self.batch // self.dp if self.pp == 1 else self.microbatch_size
-        tokens = rows * self.seq_len // self.tp
+        if self.sequence_parallel and self.seq_len >= self.tp:
+            tokens = rows * -(-self.seq_len // self.tp)
+        else:
+            tokens = -(-rows * self.seq_len // self.tp)
         return tokens * self.model.moe.top_k * (self.tp if self.expert_tp else 1)
 
     @property
@@ -540,15 +547,13 @@ def _resolve_experts(args: argparse.Namespace, dp: int, tp: int, hidden: int) ->
 
 
 def _resolve_exchange(
-    args: argparse.Namespace, dp: int, tp: int, ep: int, expert_tp: bool, hidden: int,
-    microbatches: int,
+    args: argparse.Namespace, dp: int, tp: int, ep: int, expert_tp: bool, hidden: int
 ) -> tuple[float | None, str | None]:
     """``(buffer_factor, overflow)`` for ``--exchange``: both ``None`` unless it is ``fixed``.
 
-    The fixed exchange (``dtensor_moe/routed/fixed.py``) sends every rank the same buffer, so
-    every rank of the exchange must route the same number of tokens; it computes the experts
-    with ``torch._grouped_mm`` only (aligned rows). Both are checked here, before any process
-    starts, rather than by a ``ValueError`` on every rank at the first forward.
+    The fixed exchange (``dtensor_moe/routed/fixed.py``) computes the experts with
+    ``torch._grouped_mm`` only (aligned rows); that is checked here, before any process starts,
+    rather than by a ``ValueError`` on every rank at the first forward.
     """
     fixed = args.exchange == "fixed"
     for flag, value in (("--buffer-factor", args.buffer_factor), ("--overflow", args.overflow)):
@@ -587,7 +592,6 @@ def _resolve_exchange(
             f"--buffer-factor must be a finite number >= 1.0 (rows per rank pair over the "
             f"balanced share), got {factor}; the default is {DEFAULT_BUFFER_FACTOR}"
         )
-    _check_even_tokens(args, dp, tp, microbatches)
     etp = tp if expert_tp else 1
     if args.dim % 4 != 0 or (hidden // etp) % 4 != 0:
         per_rank = f" (--hidden / --tp {tp} under expert TP: {hidden // etp})" if etp > 1 else ""
@@ -599,44 +603,6 @@ def _resolve_exchange(
     return float(factor), args.overflow if args.overflow is not None else "rerun"
 
 
-def _check_even_tokens(args: argparse.Namespace, dp: int, tp: int, microbatches: int) -> None:
-    """Refuse ``--exchange fixed`` when the tp ranks would route different numbers of tokens.
-
-    With tp > 1 each tp rank routes its share of one forward's ``rows x seq_len`` tokens
-    (Note [Token-parallel MoE] in ``dtensor_moe/parallel/token_parallel.py``): under sequence
-    parallelism its sequence shard (DTensor's uneven ``Shard(1)`` when tp does not divide
-    ``seq_len``; a sequence shorter than tp is split as the flattened tokens), without it a
-    ``1/tp`` slice of the flattened tokens.
-    """
-    if tp == 1:
-        return
-    rows = args.batch // dp if args.pp == 1 else args.batch // (dp * microbatches)
-    L = args.seq_len  # noqa: N806
-    per = "sequence" if args.pp == 1 else "micro-batch sequence"
-    if args.sp and L >= tp:
-        if L % tp != 0:
-            _fail(
-                f"--exchange fixed needs every rank to route the same number of tokens, but "
-                f"under sequence parallelism each tp rank routes its shard of every {per}, and "
-                f"--seq-len {L} does not split evenly over --tp {tp}; choose a --seq-len "
-                f"divisible by {tp}, or --exchange all_to_all"
-            )
-        return
-    if (rows * L) % tp != 0:
-        where = (
-            f"--seq-len {L} is shorter than --tp {tp}, so under sequence parallelism"
-            if args.sp
-            else "with --no-sp"
-        )
-        unit = "per data-parallel rank" if args.pp == 1 else "per micro-batch"
-        _fail(
-            f"--exchange fixed needs every rank to route the same number of tokens, but {where} "
-            f"each tp rank routes 1/{tp} of the {rows} x {L} tokens of a forward ({rows} "
-            f"sequence{'s' if rows > 1 else ''} {unit}), which do not split evenly; choose a "
-            f"--seq-len divisible by {tp}, or --exchange all_to_all"
-        )
-
-
 def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
     """Check the flags for ``world`` processes; :class:`LayoutError` names the first problem."""
     _check_positive(args)
@@ -645,9 +611,7 @@ def resolve_config(args: argparse.Namespace, world: int) -> DemoConfig:
     schedule, microbatches = _resolve_pipeline(args, dp)
     hidden = args.hidden if args.hidden is not None else 2 * args.dim
     ep, expert_tp = _resolve_experts(args, dp, tp, hidden)
-    buffer_factor, overflow = _resolve_exchange(
-        args, dp, tp, ep, expert_tp, hidden, microbatches
-    )
+    buffer_factor, overflow = _resolve_exchange(args, dp, tp, ep, expert_tp, hidden)
     try:
         moe = MoEConfig(
             dim=args.dim,

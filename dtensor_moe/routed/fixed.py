@@ -70,6 +70,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 
 from dtensor_moe.routed.all_to_all import destinations
@@ -87,6 +88,7 @@ from dtensor_moe.routed.layouts import (
     PairSubset,
     PositionalFunction,
     _with_void_row,
+    combine_row_grads,
     pack_rows,
     sum_rows,
     unpermute_and_reduce,
@@ -241,9 +243,13 @@ class FixedBufferExchange(TokenExchange):
             pair_M1 = torch.full((M + 1,), T * X, device=dev).index_put_((slot_N,), order_N)
             token_M1[M:].fill_(T)  # a kernel: an indexed assignment of a number copies it
             pair_M1[M:].fill_(T * X)  # from the host, a sync on CUDA
-            packed_M1W = _PackSlots.run(x_TD, scores_TX, token_M1, pair_M1, row_TX)
+            void = not torch.compiler.is_compiling()  # Note [The void slot]: compiled, none
+            rows = M + int(void)
+            packed_M1W = _PackSlots.run(
+                x_TD, scores_TX, token_M1[:rows], pair_M1[:rows], row_TX, void
+            )
         arrived_Pe = _exchange_slots(counts_X, self._group, False, False).view(P, e)
-        rows_MW = _SlotExchange.run(packed_M1W, self._group, True, False)
+        rows_MW = _SlotExchange.run(packed_M1W, self._group, packed_M1W.shape[0] > M, False)
         perm_M, counts_e, inv_M, empty_M1 = _group_by_expert(arrived_Pe, C)
         return Routed(
             source=x_TD,
@@ -272,9 +278,12 @@ class FixedBufferExchange(TokenExchange):
         arrive with the void slot, a zero row, after them (Note [The void slot])."""
         _, perm_M, _, inv_M, empty_M1 = routed.exchange
         in_slots_MD = _Restore.run(out_RD, perm_M, inv_M, empty_M1)
-        return _SlotExchange.run(in_slots_MD, self._group, False, True)
+        void = not torch.compiler.is_compiling()  # Note [The void slot]: compiled, none
+        return _SlotExchange.run(in_slots_MD, self._group, False, void)
 
     def _combine(self, local_RD: torch.Tensor, routed: Routed, returning: Any) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # no void row: the pairs that did not fit are masked
+            return _SumSlots.run(returning, routed.row_TK)
         # ``returning`` holds the void slot itself: a pair that did not fit reads its zero row
         return unpermute_and_reduce(returning, routed.row_TK, None)
 
@@ -318,6 +327,13 @@ class FixedBufferExchange(TokenExchange):
 # ``(M + 1, W)`` buffer with a zero last row, and that of the outputs' gradient sends the first
 # ``M`` rows of the combine's ``(M + 1, D)`` gradient. So a pair that did not fit gathers a
 # zero row and sums zero, forward and backward, and no buffer is copied to append a row.
+#
+# Under ``torch.compile`` the functional collective returns a buffer of its own, and a void row
+# would be a copy of it with ``cat``: the buffers have no void slot there, and the two sums
+# that read one mask the pairs that name slot ``M`` instead (``_SumSlots`` for the combine,
+# ``_PackSlots``' backward for the rows' gradient): ``embedding_bag`` with weights 1 for the
+# pairs that fit and 0 for the others, whose gradient goes to a row past the buffer that is
+# cut off. Equal to the eager sums up to float rounding (``test_compiled_whole``).
 
 
 def _exchange_slots(
@@ -365,7 +381,8 @@ class _PackSlots(PositionalFunction):
     [The void slot]). One gather per column group, into the buffer. Backward: each token sums
     its pairs' rows in ``k`` order (as the all-to-all exchange's gather does, so the bits
     agree), and each pair takes its slot's last column; a pair that did not fit reads the void
-    slot's zero row."""
+    slot's zero row. With ``void`` false (compiled) the buffer has no void row, ``(M, D + 1)``,
+    and the backward masks those pairs instead."""
 
     @staticmethod
     def forward(
@@ -374,6 +391,7 @@ class _PackSlots(PositionalFunction):
         token_M1: torch.Tensor,
         pair_M1: torch.Tensor,
         row_TX: torch.Tensor,
+        void: bool,
     ) -> torch.Tensor:
         x_T1D = torch.cat((x_TD, x_TD.new_zeros(1, x_TD.shape[1])))
         s_N1 = torch.cat((scores_TX.reshape(-1), scores_TX.new_zeros(1)))
@@ -388,15 +406,58 @@ class _PackSlots(PositionalFunction):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.save_for_backward(inputs[4])
-        ctx.scores_shape = inputs[1].shape
+        ctx.scores_shape, ctx.void = inputs[1].shape, inputs[5]
 
     @staticmethod
     def backward(ctx: Any, grad_M1W: torch.Tensor) -> tuple:
         (row_TX,) = ctx.saved_tensors
-        # the weight column is summed along (no copy of a strided view), then cut off
-        grad_TD = sum_rows(grad_M1W, row_TX)[:, :-1]
-        grad_TX = grad_M1W[:, -1].index_select(0, row_TX.reshape(-1)).view(ctx.scores_shape)
-        return grad_TD, grad_TX, None, None, None
+        if ctx.void:  # the weight column is summed along (no copy of a strided view), cut off
+            grad_TD = sum_rows(grad_M1W, row_TX)[:, :-1]
+            grad_TX = grad_M1W[:, -1].index_select(0, row_TX.reshape(-1))
+        else:  # no void row (compiled): the pairs that did not fit masked
+            fits_TX, last_TX = _fits(row_TX, grad_M1W.shape[0])
+            grad_TD = _masked_sum_rows(grad_M1W, last_TX, fits_TX)[:, :-1]
+            grad_X = grad_M1W[:, -1].index_select(0, last_TX.reshape(-1))
+            grad_TX = torch.where(fits_TX.reshape(-1), grad_X, 0)
+        return grad_TD, grad_TX.view(ctx.scores_shape), None, None, None, None
+
+
+def _fits(row_TX: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which pairs name a slot of a ``rows``-slot buffer with no void row, and their slots with
+    the void slot ``rows`` moved onto the last one (masked by the first)."""
+    return row_TX < rows, row_TX.clamp(max=rows - 1)
+
+
+def _masked_sum_rows(src_RD: torch.Tensor, row_TX: torch.Tensor, fits_TX: torch.Tensor):
+    """``y[t] = sum_x fits[t, x] * src_RD[row_TX[t, x]]``, added in ``x`` order in one pass
+    (``sum_rows`` with weights); differentiable when a graph is being built (Note [Double
+    backward] in ``layouts.py``)."""
+    weights_TX = fits_TX.to(src_RD.dtype)
+    if torch.is_grad_enabled() and src_RD.requires_grad:
+        return (src_RD[row_TX] * weights_TX.unsqueeze(-1)).sum(1)
+    return F.embedding_bag(row_TX, src_RD, mode="sum", per_sample_weights=weights_TX)
+
+
+class _SumSlots(PositionalFunction):
+    """The compiled combine over a buffer with no void row (Note [The void slot]):
+    ``y_TD[t] = sum_x out_MD[row_TX[t, x]]`` over the pairs that fit (``row_TX < M``).
+    Backward: each slot a pair names gets its token's gradient, in a buffer one row longer
+    whose last row (the void slot's) is cut off."""
+
+    @staticmethod
+    def forward(out_MD: torch.Tensor, row_TX: torch.Tensor) -> torch.Tensor:
+        fits_TX, last_TX = _fits(row_TX, out_MD.shape[0])
+        return _masked_sum_rows(out_MD, last_TX, fits_TX)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.save_for_backward(inputs[1])
+        ctx.rows = inputs[0].shape[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad_TD: torch.Tensor) -> tuple:
+        (row_TX,) = ctx.saved_tensors
+        return combine_row_grads(grad_TD, row_TX, ctx.rows + 1, None)[: ctx.rows], None
 
 
 def _group_by_expert(

@@ -187,7 +187,7 @@ class ComposableTest(DistTestBase):
             fully_shard(run.model.router, mesh=dp_mesh)
             fully_shard(run.model.shared_experts, mesh=dp_mesh)
             run.opt = torch.optim.AdamW(run.model.parameters(), lr=run.opt_ref.defaults["lr"],
-                                        fused=True)
+                                        eps=run.opt_ref.defaults["eps"], fused=True)
             self._train(run, f"{name} fully_shard(router), fully_shard(shared_experts)",
                         check_grads=_step_with_fsdp_units)
 

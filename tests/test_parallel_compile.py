@@ -187,9 +187,9 @@ class ParallelCompileTest(DistTestBase):
         # islands under torch.compile]), so torch's default counts it once, as
         # nested_graph_breaks does; in training the router counter update runs in that island
         # (Note [MoE under torch.compile]), so there is no second break. Under
-        # tensor/sequence parallelism the style's output hook runs after the layer's forward
-        # returns (Note [One forward]): one graph more than EP alone (two more with the
-        # "gather" dispatch), and no more breaks.
+        # tensor/sequence parallelism the style's input pre-hook (TokenParallel.input_hook,
+        # which builds the rank's global token indices) compiles as a frame of its own: one
+        # graph more than EP alone (two more with the "gather" dispatch), and no more breaks.
         lines = [f"{k}: graphs={v[0]} breaks={v[1]} recompiles={v[2]}" for k, v in results.items()]
         in_ci = [" nested" not in line and (" train" in line or line.split()[0] in SUBSET)
                  for line in lines]

@@ -31,6 +31,7 @@ from dtensor_moe.routed.fixed import (
     check_exchanges,
     exchange_overflowed,
     needed_buffer_factor,
+    reset_overflow,
     set_buffer_factor,
     step_without_overflow,
 )
@@ -432,6 +433,25 @@ class FixedExchangeTest(DistTestBase):
         torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
         (y_e.square().sum() + y_c.square().sum()).backward()
         self.assertEqual(traced.experts.exchange.last_rows_per_pair, 16)  # was 8
+        # pairs that do not fit (every token pushed to rank 0's experts at factor 1.0): eager
+        # reads the void slot's zero row, compiled masks them (Note [The void slot]); the same
+        # outputs and grads
+        for model in (eager, traced):
+            set_buffer_factor(model, 1.0)
+            with torch.no_grad():
+                model.router.expert_bias[:2] = 100.0
+            model.zero_grad()
+            reset_overflow(model)
+        y_e, y_c = eager(xs[2]), compiled(xs[2])
+        y_e.square().sum().backward()
+        y_c.square().sum().backward()
+        self.assertTrue(exchange_overflowed(eager) and exchange_overflowed(traced))
+        torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
+        for (name, a), b in zip(eager.named_parameters(), traced.parameters(), strict=True):
+            ga = a.grad.to_local() if hasattr(a.grad, "to_local") else a.grad
+            gb = b.grad.to_local() if hasattr(b.grad, "to_local") else b.grad
+            torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-5 * ga.abs().max().item(),
+                                       msg=name)  # fmt: skip
 
         def float_rows(exchange, num_pairs):
             share = exchange.factor_float * num_pairs / exchange.mesh.size()

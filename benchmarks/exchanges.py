@@ -209,7 +209,12 @@ def _run(own: argparse.Namespace, presets: dict) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # fork on Linux: the ranks start with torch and dtensor_moe already imported. This process
+    # has no process group and has run no torch op (an OpenMP team used here would hang a
+    # forked rank with --threads > 1) nor compiled anything. Spawn elsewhere, and for --device
+    # cuda (checking the flags initialized CUDA here, and a forked child cannot use it).
+    fork = sys.platform == "linux" and own.device == "cpu"
+    ctx = mp.get_context("fork" if fork else "spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, own, presets, port, queue))
              for r in range(own.world)]  # fmt: skip

@@ -67,6 +67,7 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -194,7 +195,7 @@ def _step_fn(layer: Callable, x: torch.Tensor, grad_y: torch.Tensor) -> Callable
 def _compiled(moe: MoE, args: argparse.Namespace) -> Callable:
     """``torch.compile(moe)`` as ``--compile-backend`` / ``--compile-mode`` say."""
     mode = None if args.compile_mode == "default" else args.compile_mode
-    # Set in every process (the ranks are spawned): one break per eager region, not one per
+    # Set in every process that compiles (the ranks): one break per eager region, not one per
     # Python frame around it (docs/parallelism.md, torch.compile).
     torch._dynamo.config.nested_graph_breaks = args.nested_graph_breaks
     return torch.compile(moe, backend=args.compile_backend, mode=mode)
@@ -552,7 +553,12 @@ def run_parallel(args: argparse.Namespace) -> dict[str, object]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # fork on Linux: the ranks start with torch and dtensor_moe already imported. This process
+    # has no process group and has run no torch op (an OpenMP team used here would hang a
+    # forked rank with --threads > 1) nor compiled anything. Spawn elsewhere (and never fork
+    # with CUDA; _parse keeps the parallel layouts on CPU).
+    fork = sys.platform == "linux" and args.device == "cpu"
+    ctx = mp.get_context("fork" if fork else "spawn")
     queue = ctx.Queue()
     world = PARALLEL[args.layout].world
     procs = [
@@ -693,7 +699,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
         if args.compile and args.compile_cache == "fresh":
-            # Read when inductor first needs it, here and in the spawned ranks (inherited).
+            # Read when inductor first needs it, here and in the parallel ranks (inherited).
             cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="moe_bench_inductor_"))
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         result = LAYOUTS[args.layout](args)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +137,9 @@ def run_parallel(args: argparse.Namespace, E: int, K: int, H: int) -> list[Saved
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # fork on Linux (CPU only here): the ranks start with torch and dtensor_moe already imported
+    # (this process has no process group). Spawn elsewhere.
+    ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
     queue = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, args=(r, args, port, E, K, H, queue))

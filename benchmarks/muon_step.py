@@ -30,6 +30,7 @@ import logging
 import os
 import socket
 import statistics
+import sys
 import time
 import warnings
 
@@ -218,7 +219,10 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, args), nprocs=WORLD, start_method="fork")
+    # fork on Linux (CPU only here): the ranks start with torch and dtensor_moe already imported
+    # (this process has no process group). Spawn elsewhere.
+    mp.start_processes(_worker, args=(port, args), nprocs=WORLD,
+                       start_method="fork" if sys.platform == "linux" else "spawn")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -41,8 +42,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 # --torch-only (for reference) runs the same benchmark without importing dtensor_moe, and
-# --unchecked-handler (a diagnostic) with a handler that only unwraps; spawned workers re-import
-# this module, so the choice travels in the environment.
+# --unchecked-handler (a diagnostic) with a handler that only unwraps; the workers of those runs
+# are spawned and re-import this module, so the choice travels in the environment.
 TORCH_ONLY = os.environ.get("DTENSOR_MOE_BENCH_TORCH_ONLY") == "1"
 UNCHECKED = os.environ.get("DTENSOR_MOE_BENCH_UNCHECKED") == "1"
 if not TORCH_ONLY:
@@ -65,7 +66,7 @@ if UNCHECKED and not TORCH_ONLY:
 WORLD = 4
 CASES = {"200 x 64x64": (200, 64), "8 x 1024x1024": (8, 1024)}
 DEVICE_CASES = {**CASES, "96 x 2048x2048": (96, 2048)}  # --device: + a 400M-param model
-DEVICE = "cpu"  # --device sets it; the CPU benchmark's spawned workers keep "cpu"
+DEVICE = "cpu"  # --device sets it; the CPU benchmark's workers keep "cpu"
 
 
 def _make_params(num: int, size: int):
@@ -323,7 +324,12 @@ def main() -> None:
         f"torch {torch.__version__}" + (", WITHOUT dtensor_moe" if args.torch_only else "")
         + (", UNCHECKED HANDLER (diagnostic)" if args.unchecked_handler else "")
     )
-    mp.spawn(_worker, args=(port, args.steps, args.repeats, modes), nprocs=WORLD)
+    # fork on Linux: the workers start with torch and dtensor_moe already imported (this process
+    # has no process group and has run no torch op). Spawn elsewhere, and for --torch-only and
+    # --unchecked-handler, whose choice the module reads at import (above).
+    fork = sys.platform == "linux" and not (args.torch_only or args.unchecked_handler)
+    mp.start_processes(_worker, args=(port, args.steps, args.repeats, modes), nprocs=WORLD,
+                       start_method="fork" if fork else "spawn")
 
 
 if __name__ == "__main__":

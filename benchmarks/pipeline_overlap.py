@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 
 import torch
@@ -191,7 +192,10 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # fork on Linux (CPU only here): the ranks start with torch and dtensor_moe already imported.
+    # This process has no process group and has run no torch op (an OpenMP team used here would
+    # hang a forked rank with --threads > 1). Spawn elsewhere.
+    ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, args, port, queue)) for r in range(WORLD)]
     for proc in procs:

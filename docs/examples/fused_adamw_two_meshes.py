@@ -7,6 +7,7 @@ Run:  python docs/examples/fused_adamw_two_meshes.py     (launches 4 CPU/gloo pr
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -75,4 +76,6 @@ if __name__ == "__main__":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             free_port = s.getsockname()[1]
-        mp.spawn(_worker, args=(free_port,), nprocs=WORLD)
+        # fork where it exists: the workers start with torch already imported
+        method = "fork" if sys.platform == "linux" else "spawn"
+        mp.start_processes(_worker, args=(free_port,), nprocs=WORLD, start_method=method)

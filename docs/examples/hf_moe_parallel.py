@@ -29,6 +29,7 @@ import argparse
 import copy
 import os
 import socket
+import sys
 import tempfile
 
 import torch
@@ -221,4 +222,6 @@ if __name__ == "__main__":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             free_port = s.getsockname()[1]
-        mp.spawn(_worker, args=(free_port, args.out), nprocs=WORLD)
+        # fork where it exists: the workers start with torch and transformers already imported
+        method = "fork" if sys.platform == "linux" else "spawn"
+        mp.start_processes(_worker, args=(free_port, args.out), nprocs=WORLD, start_method=method)

@@ -152,7 +152,7 @@ def _run(args: Any) -> dict[str, list]:
 
 
 def _quartiles(values: list[float]) -> str:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
     return f"{statistics.median(values):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})"
 
 

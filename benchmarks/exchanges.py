@@ -229,7 +229,7 @@ def _run(own: argparse.Namespace, presets: dict) -> dict:
 
 def _ratio(num: list, den: list, which: int) -> str:
     ratios = [n[which] / d[which] for n, d in zip(num, den, strict=True)]
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
     return f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})"
 
 

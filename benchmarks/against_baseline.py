@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import moe_layer  # noqa: E402  (this folder's benchmark: presets, layouts, inputs)
@@ -134,12 +133,7 @@ def _run(args: Any) -> dict[str, list]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # fork on Linux: the ranks start with torch and dtensor_moe already imported (each still
-    # imports the baseline itself). This process has no process group and has run no torch op
-    # (an OpenMP team used here would hang a forked rank with --threads > 1). Spawn elsewhere
-    # (and never fork with CUDA; moe_layer._parse keeps the parallel layouts on CPU).
-    fork = sys.platform == "linux" and args.device == "cpu"
-    ctx = mp.get_context("fork" if fork else "spawn")
+    ctx = moe_layer.rank_context(args.device)
     queue = ctx.Queue()
     world = moe_layer.PARALLEL[args.layout].world
     procs = [ctx.Process(target=_worker, args=(r, args, port, queue)) for r in range(world)]

@@ -58,7 +58,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import moe_layer  # noqa: E402  (this folder's benchmark: presets, layouts, inputs, timers)
@@ -209,12 +208,7 @@ def _run(own: argparse.Namespace, presets: dict) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # fork on Linux: the ranks start with torch and dtensor_moe already imported. This process
-    # has no process group and has run no torch op (an OpenMP team used here would hang a
-    # forked rank with --threads > 1) nor compiled anything. Spawn elsewhere, and for --device
-    # cuda (checking the flags initialized CUDA here, and a forked child cannot use it).
-    fork = sys.platform == "linux" and own.device == "cpu"
-    ctx = mp.get_context("fork" if fork else "spawn")
+    ctx = moe_layer.rank_context(own.device)
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, own, presets, port, queue))
              for r in range(own.world)]  # fmt: skip

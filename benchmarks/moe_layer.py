@@ -548,17 +548,10 @@ def run_parallel(args: argparse.Namespace) -> dict[str, object]:
     """``world`` gloo processes, one layout; see the module docstring."""
     import socket
 
-    import torch.multiprocessing as mp
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    # fork on Linux: the ranks start with torch and dtensor_moe already imported. This process
-    # has no process group and has run no torch op (an OpenMP team used here would hang a
-    # forked rank with --threads > 1) nor compiled anything. Spawn elsewhere (and never fork
-    # with CUDA; _parse keeps the parallel layouts on CPU).
-    fork = sys.platform == "linux" and args.device == "cpu"
-    ctx = mp.get_context("fork" if fork else "spawn")
+    ctx = rank_context(args.device)  # _parse keeps the parallel layouts on CPU
     queue = ctx.Queue()
     world = PARALLEL[args.layout].world
     procs = [
@@ -692,6 +685,17 @@ def _parse() -> argparse.Namespace:
     elif args.full_size:
         p.error("--full-size needs --preset")
     return args
+
+
+def rank_context(device: str):
+    """The multiprocessing context that starts a benchmark's ranks: fork on Linux on CPU, so the
+    ranks start with torch and dtensor_moe already imported; spawn elsewhere, and with CUDA (a
+    forked child cannot use CUDA the parent initialized). Call it before this process creates a
+    process group, runs a torch op (an OpenMP team would hang a forked rank with --threads > 1)
+    or compiles anything."""
+    import torch.multiprocessing as mp
+
+    return mp.get_context("fork" if sys.platform == "linux" and device == "cpu" else "spawn")
 
 
 def main() -> None:

@@ -11,13 +11,22 @@ threads do not, so a child whose parent already compiled with inductor queues it
 pool that never runs them and hangs until the test times out. torch's own after-fork hook resets
 the process pool only. :func:`reset_inherited_compile_pool` drops the dead pool in each child;
 ``tests/test_fork_compile_pool.py`` shows that the workaround is needed.
+
+A rank that dies (a signal, or an exit code other than the test's error and skip codes) leaves
+the others waiting in their next collective until the test's timeout (300 s), and torch's
+harness then reports a timeout of another rank. :class:`DistTestBase` stops the others as soon
+as one dies and fails the test naming the rank and how it died (``tests/test_dist_harness.py``).
 """
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
+import threading
 
 import torch
+from torch.testing._internal.common_distributed import TEST_SKIPS, MultiProcessTestCase
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase
 
 
@@ -54,4 +63,40 @@ class DistTestBase(DTensorTestBase):
     def _run(cls, rank, test_name, file_name, parent_pipe, **kwargs) -> None:
         torch.set_num_threads(1)
         reset_inherited_compile_pool()
+        faulthandler.enable(all_threads=True)  # a crash prints each thread's stack to stderr
         super()._run(rank, test_name, file_name, parent_pipe, **kwargs)
+
+    def _join_processes(self, fn) -> None:
+        self._died: tuple[int, int] | None = None
+        joined = threading.Event()
+        watcher = threading.Thread(target=self._stop_all_if_one_dies, args=(joined,), daemon=True)
+        watcher.start()
+        try:
+            super()._join_processes(fn)
+        finally:
+            joined.set()
+            watcher.join()
+
+    def _stop_all_if_one_dies(self, joined: threading.Event) -> None:
+        expected = {0, MultiProcessTestCase.TEST_ERROR_EXIT_CODE}
+        expected |= {skip.exit_code for skip in TEST_SKIPS.values()}
+        while not joined.wait(0.2):
+            for rank, process in enumerate(self.processes):
+                if process.exitcode is not None and process.exitcode not in expected:
+                    self._died = (rank, process.exitcode)
+                    for other in self.processes:
+                        if other.exitcode is None:
+                            other.terminate()
+                    return
+
+    def _check_return_codes(self, fn, elapsed_time) -> None:
+        if getattr(self, "_died", None) is not None:
+            rank, code = self._died
+            how = (f"of signal {signal.Signals(-code).name}" if code < 0
+                   else f"with exit code {code}")  # fmt: skip
+            raise RuntimeError(
+                f"rank {rank} of {self.world_size} died {how} after {elapsed_time:.0f} s; the "
+                "other ranks were stopped at once (they would have waited in a collective until "
+                "the timeout). A crash prints the rank's stack to stderr (faulthandler)."
+            )
+        super()._check_return_codes(fn, elapsed_time)

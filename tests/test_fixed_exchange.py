@@ -389,25 +389,37 @@ class FixedExchangeTest(DistTestBase):
         self.assertEqual(reads["fixed"], 0)
         self.assertEqual(reads["all_to_all"], 3)
 
-    @with_comms
-    def test_compiled_whole(self):
-        """``torch.compile`` of the parallel layer with the fixed exchange, after one eager
-        step (the one-time checks): in evaluation ``fullgraph=True`` with inductor, one graph
-        over 5 steps of new data; in training one break (the router's counter update, last),
-        no recompile; outputs and every grad match eager at 1e-5 (of each grad's largest
-        entry: inductor's fused kernels round differently)."""
+    def _eager_and_traced(self):
+        """Two copies of one EP4 layer with the fixed exchange, each after one eager step (the
+        one-time checks: the agreed size), and 6 batches of this rank's data."""
         meshes = build_moe_meshes(dp=4, ep=4, device_type="cpu")
         torch.manual_seed(0)
         ref = MoE(make_config(CASE, aux_loss_coeff=0.0))
-        eager = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
-                                exchange="fixed")  # fmt: skip
-        traced = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
-                                 exchange="fixed")  # fmt: skip
+        models = [parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
+                                  exchange="fixed") for _ in range(2)]  # fmt: skip
         g = torch.Generator().manual_seed(self.rank)
         xs = [torch.randn(CASE.B, CASE.L, D, generator=g) for _ in range(6)]
-        for model in (eager, traced):
+        for model in models:
             model(xs[0]).sum().backward()
             model.zero_grad()
+        return (*models, xs)
+
+    def _assert_grads_match(self, eager, traced):
+        for (name, a), b in zip(eager.named_parameters(), traced.parameters(), strict=True):
+            ga = a.grad.to_local() if hasattr(a.grad, "to_local") else a.grad
+            gb = b.grad.to_local() if hasattr(b.grad, "to_local") else b.grad
+            scale = ga.abs().max().item()  # inductor's fusions round differently
+            torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+    @with_comms
+    def test_compiled_training(self):
+        """``torch.compile`` (inductor) of the parallel layer with the fixed exchange, after
+        one eager step: over 5 training steps of new data one graph, one break (the router's
+        counter update, last), no recompile; outputs and every grad match eager at 1e-5 (of
+        each grad's largest entry: inductor's fused kernels round differently). Pairs that do
+        not fit (every token pushed to rank 0's experts) run in the same graph and match eager;
+        a grown factor costs one more compile and still matches."""
+        eager, traced, xs = self._eager_and_traced()
         compiled = torch.compile(traced)
         torch._dynamo.reset()
         counters.clear()
@@ -416,60 +428,45 @@ class FixedExchangeTest(DistTestBase):
             y_e.square().sum().backward()
             y_c.square().sum().backward()
             torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
-            for (name, a), b in zip(eager.named_parameters(), traced.parameters(), strict=True):
-                ga = a.grad.to_local() if hasattr(a.grad, "to_local") else a.grad
-                gb = b.grad.to_local() if hasattr(b.grad, "to_local") else b.grad
-                scale = ga.abs().max().item()  # inductor's fusions round differently
-                torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-5 * scale, msg=name)
+            self._assert_grads_match(eager, traced)
             eager.zero_grad()
             traced.zero_grad()
         self.assertEqual(counters["stats"]["unique_graphs"], 1)
         self.assertEqual(sum(counters["graph_break"].values()), 1)
-        # a grown factor (what step_without_overflow does): one more compile, still as eager
-        # (Note [The factor as text]); with the factor as a float attribute, dynamo fails
+        # pairs that do not fit (every token pushed to rank 0's experts: 4 shares into a
+        # buffer of 1.25): eager reads the void slot's zero row, compiled masks them (Note
+        # [The void slot]); the same graph, the same outputs and grads
         for model in (eager, traced):
-            set_buffer_factor(model, 1.875)
-        y_e, y_c = eager(xs[1]), compiled(xs[1])
-        torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
-        (y_e.square().sum() + y_c.square().sum()).backward()
-        self.assertEqual(traced.experts.exchange.last_rows_per_pair, 16)  # was 8
-        # pairs that do not fit (every token pushed to rank 0's experts at factor 1.0): eager
-        # reads the void slot's zero row, compiled masks them (Note [The void slot]); the same
-        # outputs and grads
-        for model in (eager, traced):
-            set_buffer_factor(model, 1.0)
             with torch.no_grad():
                 model.router.expert_bias[:2] = 100.0
-            model.zero_grad()
             reset_overflow(model)
         y_e, y_c = eager(xs[2]), compiled(xs[2])
         y_e.square().sum().backward()
         y_c.square().sum().backward()
         self.assertTrue(exchange_overflowed(eager) and exchange_overflowed(traced))
         torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
-        for (name, a), b in zip(eager.named_parameters(), traced.parameters(), strict=True):
-            ga = a.grad.to_local() if hasattr(a.grad, "to_local") else a.grad
-            gb = b.grad.to_local() if hasattr(b.grad, "to_local") else b.grad
-            torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-5 * ga.abs().max().item(),
-                                       msg=name)  # fmt: skip
+        self._assert_grads_match(eager, traced)
+        self.assertEqual(counters["stats"]["unique_graphs"], 1)
+        # a grown factor (what step_without_overflow does): one more compile, still as eager
+        # (Note [The factor as text]; test_compiled_evaluation_whole shows the float failing)
+        for model in (eager, traced):
+            set_buffer_factor(model, 1.875)
+            model.zero_grad()
+        y_e, y_c = eager(xs[1]), compiled(xs[1])
+        torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
+        (y_e.square().sum() + y_c.square().sum()).backward()
+        self._assert_grads_match(eager, traced)
+        self.assertEqual(traced.experts.exchange.last_rows_per_pair, 16)  # was 8
+        self.assertEqual(counters["stats"]["unique_graphs"], 2)
+        dist.barrier()
 
-        def float_rows(exchange, num_pairs):
-            share = exchange.factor_float * num_pairs / exchange.mesh.size()
-            return max(8, -(-math.ceil(share) // 8) * 8)
-
-        fresh = parallelize_moe(copy.deepcopy(ref), meshes, sequence_parallel=False,
-                                exchange="fixed")  # fmt: skip
-        fresh.experts.exchange.factor_float = 1.25
-        torch._dynamo.reset()
-        with mock.patch.object(FixedBufferExchange, "rows_per_pair", float_rows):
-            compiled_fresh = torch.compile(fresh)
-            compiled_fresh(xs[0]).sum().backward()
-            compiled_fresh(xs[1]).sum().backward()
-            fresh.experts.exchange.factor_float = 1.875
-            with self.assertRaisesRegex(Exception, "CeilToInt"):
-                compiled_fresh(xs[2]).sum().backward()
-        eager.zero_grad()
-        traced.zero_grad()
+    @with_comms
+    def test_compiled_evaluation_whole(self):
+        """In evaluation, ``torch.compile(layer, fullgraph=True)`` with inductor: one graph
+        over 5 steps of new data, outputs as eager at 1e-5. And why the factor is kept as
+        text (Note [The factor as text]): the same layer in training, with the factor as a float
+        attribute, fails to compile once the factor changes (torch 2.13)."""
+        eager, traced, xs = self._eager_and_traced()
         eager.eval()
         traced.eval()
         torch._dynamo.reset()
@@ -479,6 +476,20 @@ class FixedExchangeTest(DistTestBase):
             for x in xs[1:]:
                 torch.testing.assert_close(whole(x), eager(x), rtol=1e-5, atol=1e-6)
         self.assertEqual(counters["stats"]["unique_graphs"], 1)
+
+        def float_rows(exchange, num_pairs):
+            share = exchange.factor_float * num_pairs / exchange.mesh.size()
+            return max(8, -(-math.ceil(share) // 8) * 8)
+
+        traced.train()  # (in evaluation the float compiles: the failure is in training)
+        traced.experts.exchange.factor_float = 1.25
+        torch._dynamo.reset()
+        with mock.patch.object(FixedBufferExchange, "rows_per_pair", float_rows):
+            compiled_float = torch.compile(traced, backend="aot_eager")  # (dynamo fails)
+            compiled_float(xs[0]).sum().backward()
+            traced.experts.exchange.factor_float = 1.875
+            with self.assertRaisesRegex(Exception, "CeilToInt"):
+                compiled_float(xs[1]).sum().backward()
         dist.barrier()
 
 

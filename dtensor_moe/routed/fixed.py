@@ -150,9 +150,10 @@ class FixedBufferExchange(TokenExchange):
     # with ``float`` where ``C`` is computed. torch.compile specializes on a string (a guard on
     # its value, a recompile when it changes), where a float attribute that changes becomes a
     # symbolic float after the first change, and torch 2.13's dynamo then fails to lift the
-    # ``C`` computed from it ("Source of ... CeilToInt(...) is None"). ``test_fixed_exchange.py::
-    # test_compiled_whole`` grows the factor of a compiled layer, and shows that the same layer
-    # with the factor as a float attribute still fails.
+    # ``C`` computed from it ("Source of ... CeilToInt(...) is None"). ``test_fixed_exchange.py``'s
+    # ``test_compiled_training`` grows the factor of a compiled layer, and its
+    # ``test_compiled_evaluation_whole`` shows that the same layer with the factor as a float
+    # attribute still fails.
     @property
     def buffer_factor(self) -> float:
         """``C`` over the balanced share of a rank pair (Note [Fixed-buffer exchange])."""
@@ -333,7 +334,7 @@ class FixedBufferExchange(TokenExchange):
 # that read one mask the pairs that name slot ``M`` instead (``_SumSlots`` for the combine,
 # ``_PackSlots``' backward for the rows' gradient): ``embedding_bag`` with weights 1 for the
 # pairs that fit and 0 for the others, whose gradient goes to a row past the buffer that is
-# cut off. Equal to the eager sums up to float rounding (``test_compiled_whole``).
+# cut off. Equal to the eager sums up to float rounding (``test_compiled_training``).
 
 
 def _exchange_slots(

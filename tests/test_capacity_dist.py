@@ -216,12 +216,12 @@ pad_to_capacity=True: forward {'c10d.alltoall_base_': 2}, backward {'c10d.alltoa
             moe(x)
 
 
-# CI: the static path's parity on EP4 and its breaks on EP and SP layouts (EP4's training
-# counts are those of its parity compile, pinned in test_compiled_matches_eager, so it compiles
-# once; the SP2 + EP2 break count compiles and runs the static path under SP; the island, without pad_to_capacity, runs
-# the eager code, whose parity and breaks tests/test_parallel_compile.py checks for dropless);
-# DTENSOR_MOE_FULL_MATRIX=1 adds the static path's parity on SP2 + EP2, the island's parity on
-# both layouts, its breaks on ep4, and the static path's breaks under EP x TP.
+# CI: the static path's parity on EP4 and its breaks on EP and SP layouts (EP4's training counts
+# are those of its parity compile, pinned in test_compiled_matches_eager, so it compiles once; the
+# SP2 + EP2 break count compiles and runs the static path under SP; the island, without
+# pad_to_capacity, runs the eager code, whose parity and breaks tests/test_parallel_compile.py
+# checks for dropless); DTENSOR_MOE_FULL_MATRIX=1 adds the static path's parity on SP2 + EP2, the
+# island's parity on both layouts, its breaks on ep4, and the static path's breaks under EP x TP.
 COMPILE_RUNS = [("ep4", True)] + (
     [("sp2ep2", True), ("ep4", False), ("sp2ep2", False)]
     if os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1" else []

@@ -1,8 +1,8 @@
 """The demo end to end: ``python -m dtensor_moe.demo`` and the same under torchrun.
 
 CI runs one small setting under ``torchrun --standalone --nproc-per-node 4`` (sequence length
-13, not divisible by tp=2; ``--optimizer muon``), the plain launcher once with another layout, once with pipeline
-parallelism (``--pp 2``, 8 processes), and the flag checks.
+13, not divisible by tp=2; ``--optimizer muon``), the plain launcher once with another layout,
+once with pipeline parallelism (``--pp 2``, 8 processes), and the flag checks.
 """
 
 from __future__ import annotations

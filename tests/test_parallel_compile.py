@@ -209,15 +209,16 @@ sp2ep2 train: graphs=3 breaks=1 recompiles=0""",
                     with torch._dynamo.config.patch(nested_graph_breaks=nested):
                         results[key] = self._compiled_counts(model, meshes, layout)
         # (graphs, breaks, recompiles) over 3 steps with new data, and so new exchange sizes:
-        # nothing recompiles (the training counts of ep4, ep2tp2_gather and sp2ep2, torch's
-        # default, are pinned from their parity compile in test_layer_compiles_and_matches_eager). Note [Expert parallelism under torch.compile]: the experts'
-        # exchange runs eagerly, one break, entered from MoE.forward's own frame (Note [Eager
-        # islands under torch.compile]), so torch's default counts it once, as
-        # nested_graph_breaks does; in training the router counter update runs in that island
-        # (Note [MoE under torch.compile]), so there is no second break. Under
-        # tensor/sequence parallelism the style's input pre-hook (TokenParallel.input_hook,
-        # which builds the rank's global token indices) compiles as a frame of its own: one
-        # graph more than EP alone (two more with the "gather" dispatch), and no more breaks.
+        # nothing recompiles (the training counts of ep4, ep2tp2_gather and sp2ep2, torch's default,
+        # are pinned from their parity compile in test_layer_compiles_and_matches_eager). Note
+        # [Expert parallelism under torch.compile]: the experts' exchange runs eagerly, one break,
+        # entered from MoE.forward's own frame (Note [Eager islands under torch.compile]), so
+        # torch's default counts it once, as nested_graph_breaks does; in training the router
+        # counter update runs in that island (Note [MoE under torch.compile]), so there is no second
+        # break. Under tensor/sequence parallelism the style's input pre-hook
+        # (TokenParallel.input_hook, which builds the rank's global token indices) compiles as a
+        # frame of its own: one graph more than EP alone (two more with the "gather" dispatch), and
+        # no more breaks.
         lines = [f"{k}: graphs={v[0]} breaks={v[1]} recompiles={v[2]}" for k, v in results.items()]
         in_ci = [" nested" not in line and (" train" in line or line.split()[0] in SUBSET)
                  for line in lines]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import expecttest
 import pytest
@@ -256,10 +257,16 @@ def test_compile_matches_eager(padded):
     assert_matches_eager(fixed, x, torch.float32, "aot_eager", what=f"fixed, padded={padded}")
 
 
+# CI: torch's default; nested_graph_breaks (DTENSOR_MOE_FULL_MATRIX=1) counts the same here, as
+# for the dropless layer (tests/test_moe_compile.py::test_graph_breaks_are_pinned pins that in
+# the full matrix too)
+FULL = os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1"
+
+
 def test_compile_graph_breaks():
     x = torch.randn(2, 13, 64)
     results = {}
-    for nested in (False, True):
+    for nested in (False, True) if FULL else (False,):
         for padded in (False, True):
             moe = make(pad_to_capacity=padded, dim=64, hidden_dim=128, num_experts=8).train()
             key = f"{'nested ' if nested else ''}{'padded' if padded else 'unpadded'}"
@@ -270,14 +277,20 @@ def test_compile_graph_breaks():
     # Without it the routed buffer's length (the kept pairs) is read on the host, so dispatch,
     # experts and combine run as one eager island, as with pad_multiple > 1, and the counter
     # update runs in it: one break either way.
+    lines = [f"{k}: graphs={g} breaks={b}" for k, (g, b) in results.items()]
     expecttest.assert_expected_inline(
-        "\n".join(f"{k}: graphs={g} breaks={b}" for k, (g, b) in results.items()),
+        "\n".join(line for line in lines if not line.startswith("nested")),
         """\
 unpadded: graphs=2 breaks=1
-padded: graphs=1 breaks=1
+padded: graphs=1 breaks=1""",
+    )
+    if FULL:
+        expecttest.assert_expected_inline(
+            "\n".join(line for line in lines if line.startswith("nested")),
+            """\
 nested unpadded: graphs=2 breaks=1
 nested padded: graphs=1 breaks=1""",
-    )
+        )
     torch._dynamo.reset()
     moe = make(pad_to_capacity=True).eval()
     x = torch.randn(2, 7, D)

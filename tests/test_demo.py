@@ -1,8 +1,8 @@
 """The demo end to end: ``python -m dtensor_moe.demo`` and the same under torchrun.
 
 CI runs one small setting under ``torchrun --standalone --nproc-per-node 4`` (sequence length
-13, not divisible by tp=2), the plain launcher once with another layout, once with pipeline
-parallelism (``--pp 2``, 8 processes), and the flag checks.
+13, not divisible by tp=2; ``--optimizer muon``), the plain launcher once with another layout,
+once with pipeline parallelism (``--pp 2``, 8 processes), and the flag checks.
 """
 
 from __future__ import annotations
@@ -59,13 +59,18 @@ def _check_metrics(out_dir: str, steps: int) -> dict:
 
 @pytest.fixture(scope="module")
 def torchrun_metrics(tmp_path_factory) -> dict:
-    """One end-to-end run under ``torchrun --standalone --nproc-per-node 4`` (default layout)."""
+    """One end-to-end run under ``torchrun --standalone --nproc-per-node 4`` (default layout),
+    with ``--optimizer muon``: Muon assembles the TP- and FSDP-split matrices on owner ranks,
+    and the parity proof against the one-process rerun (the same optimizers on plain tensors)
+    must pass. The default optimizer (fused AdamW) on the default layout runs in CI in
+    tests/test_docs_snippets.py::test_quoted_demo_output_is_printed (the default demo)."""
     out = str(tmp_path_factory.mktemp("demo") / "out")
     torchrun = "-m torch.distributed.run --standalone --nproc-per-node 4 -m dtensor_moe.demo"
-    cmd = [sys.executable, *torchrun.split(), *SMALL, "--out", out]
+    cmd = [sys.executable, *torchrun.split(), "--optimizer", "muon", *SMALL, "--out", out]
     proc = _run(cmd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "-> OK" in proc.stdout and "load balancing:" in proc.stdout, proc.stdout
+    assert "dtensor_moe.optim.Muon (match_rms_adamw, float32" in proc.stdout, proc.stdout
     # dtensor_moe.moe.load_stats at the end, rank 0 only: one line per MoE layer (--layers 1)
     assert proc.stdout.count("router load at step 6") == 1, proc.stdout
     assert proc.stdout.count("layers.0.moe: tokens/expert min") == 1, proc.stdout
@@ -79,6 +84,7 @@ def test_torchrun_four_processes(torchrun_metrics):
     assert layout == (4, 2, 2, 2, False) and config["sequence_parallel"]
     assert len(torchrun_metrics["layout"]) >= 2  # params on several meshes
     assert len(torchrun_metrics["comparison"]["loss"]) == 6
+    assert config["optimizer"] == "muon"
 
 
 def test_plain_launch_other_layout(tmp_path):
@@ -243,18 +249,23 @@ def test_pipeline_flag_stops_before_starting(tmp_path, monkeypatch, capsys):
     assert not os.path.exists(tmp_path / "metrics.json")
 
 
-def test_muon_keeps_parity(tmp_path):
-    # --optimizer muon on the default layout (dp2 x tp2 with SP, EP2, FSDP2): Muon assembles the
-    # TP- and FSDP-split matrices on owner ranks; the parity proof against the one-process rerun
-    # (the same optimizers on plain tensors) must pass.
-    out = str(tmp_path / "out")
-    flags = ["--optimizer", "muon", "--no-compare-balance", *SMALL, "--out", out]
-    proc = _run([sys.executable, "-m", "dtensor_moe.demo", *flags])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "dtensor_moe.optim.Muon (match_rms_adamw, float32" in proc.stdout, proc.stdout
-    assert "-> OK" in proc.stdout, proc.stdout
-    metrics = _check_metrics(out, steps=6)
-    assert metrics["config"]["optimizer"] == "muon"
+# --optimizer muon under the plain launcher (about 10 s): DTENSOR_MOE_FULL_MATRIX=1; in CI the
+# torchrun run (torchrun_metrics, test_torchrun_four_processes) trains the same default layout
+# with --optimizer muon and checks the same lines and parity
+if os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1":
+
+    def test_muon_keeps_parity(tmp_path):
+        # --optimizer muon on the default layout (dp2 x tp2 with SP, EP2, FSDP2): Muon assembles
+        # the TP- and FSDP-split matrices on owner ranks; the parity proof against the
+        # one-process rerun (the same optimizers on plain tensors) must pass.
+        out = str(tmp_path / "out")
+        flags = ["--optimizer", "muon", "--no-compare-balance", *SMALL, "--out", out]
+        proc = _run([sys.executable, "-m", "dtensor_moe.demo", *flags])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "dtensor_moe.optim.Muon (match_rms_adamw, float32" in proc.stdout, proc.stdout
+        assert "-> OK" in proc.stdout, proc.stdout
+        metrics = _check_metrics(out, steps=6)
+        assert metrics["config"]["optimizer"] == "muon"
 
 
 def test_pipeline_1f1b_eight_processes(tmp_path):

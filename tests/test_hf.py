@@ -381,22 +381,33 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
     )
 
 
-def test_import_dtensor_moe_does_not_import_transformers():
-    run = _python("import sys, dtensor_moe; print('transformers' in sys.modules)")
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "False"
-
-
-def test_missing_extra_says_how_to_install():
-    # transformers made unimportable, as on a venv without the hf extra
-    run = _python(
-        "import sys; sys.modules['transformers'] = None\n"
-        "import dtensor_moe\n"
+@pytest.fixture(scope="module")
+def import_run() -> subprocess.CompletedProcess:
+    """One fresh interpreter for the two import tests below (an interpreter start with torch is
+    most of their time): ``import dtensor_moe``, whether that imported transformers, then
+    transformers made unimportable, as on a venv without the hf extra (which changes nothing
+    that is already imported, as dtensor_moe did not import it), and ``from dtensor_moe import
+    hf``'s error."""
+    return _python(
+        "import sys, dtensor_moe\n"
+        "print('transformers' in sys.modules)\n"
+        "sys.modules['transformers'] = None\n"
         "try:\n"
         "    from dtensor_moe import hf\n"
         "except ImportError as e:\n"
         "    print(e)\n"
     )
+
+
+def test_import_dtensor_moe_does_not_import_transformers(import_run):
+    run = import_run
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0].strip() == "False", run.stdout
+
+
+def test_missing_extra_says_how_to_install(import_run):
+    # transformers made unimportable, as on a venv without the hf extra
+    run = import_run
     assert run.returncode == 0, run.stderr
     assert 'pip install -e ".[hf]" in a checkout' in run.stdout, run.stdout
 

@@ -112,7 +112,9 @@ def test_block_compiles_and_matches_eager_with_activation_checkpointing():
     torch.manual_seed(0)
     block = Block(config)
     x = torch.randn(2, 11, 64)
-    assert_matches_eager(block, x, torch.float32, "aot_eager", what="block")
+    if FULL:  # CI compiles this same block with aot_eager in checkpoint(compile(block)) and
+        # with inductor below; DTENSOR_MOE_FULL_MATRIX=1 adds it without the checkpoint around
+        assert_matches_eager(block, x, torch.float32, "aot_eager", what="block")
     # torchtitan's order: checkpoint the block, then compile it
     assert_matches_eager(checkpoint_wrapper(block), x, torch.float32,
                          "aot_eager", what="compile(checkpoint_wrapper(block))")

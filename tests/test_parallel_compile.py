@@ -47,13 +47,16 @@ COMPILE_LAYOUTS = ("ep4", "ep2tp2", "ep2tp2_gather", "sp2ep2")
 # counts the same as the default with one island, under the full matrix; the eval counts on ep4
 # and sp2ep2, the others under the full matrix), the fp32 parity on ep4, ep2tp2_gather and
 # sp2ep2 (ep2tp2, the other expert-TP dispatch, compiles with its counts pinned in
-# test_graph_breaks_are_pinned), the bf16 parity, the plain EP path and recompute on ep4 (the
+# test_graph_breaks_are_pinned; the training counts of ep4, ep2tp2_gather and sp2ep2 are those
+# of their fp32 parity compile, pinned in test_layer_compiles_and_matches_eager, so each is
+# compiled once), the bf16 parity, the plain EP path and recompute on ep4 (the
 # same exchange code as under sp2ep2, whose fp32 parity runs), and the block and inductor
 # checks on sp2ep2 (uneven SP + EP, the layout with the most moving parts);
 # DTENSOR_MOE_FULL_MATRIX=1 runs all of them on more layouts too.
 FULL = os.environ.get("DTENSOR_MOE_FULL_MATRIX") == "1"
 SUBSET = ("ep4", "sp2ep2")
 PARITY_LAYOUTS = COMPILE_LAYOUTS if FULL else ("ep4", "ep2tp2_gather", "sp2ep2")
+COUNTED = ("ep4", "ep2tp2_gather", "sp2ep2")  # training counts pinned with their parity
 CASE = Case(B=2, L=7, top_k=2, shared=1)  # L=7 over tp=2: uneven sequence shards
 
 
@@ -106,16 +109,26 @@ class ParallelCompileTest(DistTestBase):
         for n, grad in grads_ref.items():
             _close(grads[n], grad, f"{name} {what}: {n}.grad")
 
-    def _check(self, name, model, backend, steps=2, dtype=torch.float32):
+    def _check(self, name, model, backend, steps=2, dtype=torch.float32, counts=None):
         """``steps`` compiled forward/backward passes on fresh data against the same model run
-        eagerly: output, x.grad, every param grad, and the router buffers after them."""
+        eagerly: output, x.grad, every param grad, and the router buffers after them. With a
+        dict ``counts``, ``counts[name]`` is then the compile's (graphs, graph breaks,
+        recompiles) over those steps, as ``_compiled_counts`` counts them (dynamo's counters,
+        whatever the backend)."""
         _, meshes, layout = self._model(name)
         eager = copy.deepcopy(model)
         torch._dynamo.reset()
+        counters.clear()
         compiled = torch.compile(model, backend=backend)
         for step in range(steps):
             x, g = self._input(meshes, layout, seed=10 + step, dtype=dtype)
             self._compare(name, eager, compiled, x, g, f"{backend} step {step}")
+        if counts is not None:
+            counts[name] = (
+                counters["stats"]["unique_graphs"],
+                sum(counters["graph_break"].values()),
+                sum(counters["recompiles"].values()),
+            )
         for (n, buf), (_, ref) in zip(model.named_buffers(), eager.named_buffers()):
             self.assertTrue(torch.equal(_local(buf), _local(ref)), f"{name}: buffer {n}")
 
@@ -136,8 +149,20 @@ class ParallelCompileTest(DistTestBase):
 
     @with_comms
     def test_layer_compiles_and_matches_eager(self):
+        counts = {}
         for name in PARITY_LAYOUTS:  # ep2tp2: DTENSOR_MOE_FULL_MATRIX=1 (see above)
-            self._check(name, self._model(name)[0], "aot_eager")
+            self._check(name, self._model(name)[0], "aot_eager", steps=3, counts=counts)
+        # the training break counts (torch's default) of the CI parity layouts, from these
+        # compiles over 3 steps with new data; test_graph_breaks_are_pinned pins the others and
+        # explains them
+        self.assertExpectedInline(
+            "\n".join(f"{k} train: graphs={v[0]} breaks={v[1]} recompiles={v[2]}"
+                      for k, v in counts.items() if k in COUNTED),
+            """\
+ep4 train: graphs=2 breaks=1 recompiles=0
+ep2tp2_gather train: graphs=4 breaks=1 recompiles=0
+sp2ep2 train: graphs=3 breaks=1 recompiles=0""",
+        )
 
     @with_comms
     def test_layer_compiles_and_matches_eager_bf16(self):
@@ -176,20 +201,24 @@ class ParallelCompileTest(DistTestBase):
         for name in COMPILE_LAYOUTS:
             for nested in (False, True) if FULL else (False,):
                 for train in (True, False) if FULL or name in SUBSET else (True,):
+                    if train and not nested and name in COUNTED:
+                        continue  # pinned in test_layer_compiles_and_matches_eager
                     model, meshes, layout = self._model(name)
                     model.train(train)
                     key = f"{name}{' nested' if nested else ''} {'train' if train else 'eval'}"
                     with torch._dynamo.config.patch(nested_graph_breaks=nested):
                         results[key] = self._compiled_counts(model, meshes, layout)
         # (graphs, breaks, recompiles) over 3 steps with new data, and so new exchange sizes:
-        # nothing recompiles. Note [Expert parallelism under torch.compile]: the experts'
-        # exchange runs eagerly, one break, entered from MoE.forward's own frame (Note [Eager
-        # islands under torch.compile]), so torch's default counts it once, as
-        # nested_graph_breaks does; in training the router counter update runs in that island
-        # (Note [MoE under torch.compile]), so there is no second break. Under
-        # tensor/sequence parallelism the style's input pre-hook (TokenParallel.input_hook,
-        # which builds the rank's global token indices) compiles as a frame of its own: one
-        # graph more than EP alone (two more with the "gather" dispatch), and no more breaks.
+        # nothing recompiles (the training counts of ep4, ep2tp2_gather and sp2ep2, torch's default,
+        # are pinned from their parity compile in test_layer_compiles_and_matches_eager). Note
+        # [Expert parallelism under torch.compile]: the experts' exchange runs eagerly, one break,
+        # entered from MoE.forward's own frame (Note [Eager islands under torch.compile]), so
+        # torch's default counts it once, as nested_graph_breaks does; in training the router
+        # counter update runs in that island (Note [MoE under torch.compile]), so there is no second
+        # break. Under tensor/sequence parallelism the style's input pre-hook
+        # (TokenParallel.input_hook, which builds the rank's global token indices) compiles as a
+        # frame of its own: one graph more than EP alone (two more with the "gather" dispatch), and
+        # no more breaks.
         lines = [f"{k}: graphs={v[0]} breaks={v[1]} recompiles={v[2]}" for k, v in results.items()]
         in_ci = [" nested" not in line and (" train" in line or line.split()[0] in SUBSET)
                  for line in lines]
@@ -211,11 +240,8 @@ sp2ep2 nested eval: graphs=3 breaks=1 recompiles=0""",
         self.assertExpectedInline(
             "\n".join(line for line, ci in zip(lines, in_ci) if ci),
             """\
-ep4 train: graphs=2 breaks=1 recompiles=0
 ep4 eval: graphs=2 breaks=1 recompiles=0
 ep2tp2 train: graphs=3 breaks=1 recompiles=0
-ep2tp2_gather train: graphs=4 breaks=1 recompiles=0
-sp2ep2 train: graphs=3 breaks=1 recompiles=0
 sp2ep2 eval: graphs=3 breaks=1 recompiles=0""",
         )
 

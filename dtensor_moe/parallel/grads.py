@@ -20,7 +20,8 @@ own rows. The gradient of the mean over the global batch is the mean of those ra
 
 A gradient whose placements differ from its param's (a ``Partial`` one) is redistributed to the
 param's placements first, as the optimizers need. A param whose gradient is reduced is marked
-with its gradient tensor and that tensor's version. A backward clears the mark: through the
+with its gradient tensor (a weak reference, not its ``id``: a gradient assigned after the old
+one is freed often takes the old one's address, and so its ``id``) and that tensor's version. A backward clears the mark: through the
 param's post-accumulate-grad hook, or (the zero-bubble schedules' weight pass, which assigns or
 adds into ``param.grad`` itself) by a new gradient tensor or a new version. A second call with no
 backward in between finds the mark and raises, on every rank alike, before any collective: the
@@ -29,6 +30,7 @@ gradients would otherwise be divided twice.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -73,10 +75,11 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-def _grad_state(param: torch.Tensor) -> tuple[int, int]:
-    """Which gradient tensor ``param`` holds, and its version: both change when a backward
-    writes a new gradient or adds into the old one in place."""
-    return id(param.grad), _local(param.grad)._version
+def _grad_state(param: torch.Tensor) -> tuple[weakref.ref, int]:
+    """Which gradient tensor ``param`` holds (a weak reference: a new tensor can take a freed
+    one's ``id``), and its version: both change when a backward writes a new gradient or adds
+    into the old one in place."""
+    return weakref.ref(param.grad), _local(param.grad)._version
 
 
 def _backward_wrote(param: torch.Tensor) -> None:
@@ -92,7 +95,10 @@ def _mark_reduced(param: torch.Tensor) -> None:
 
 def _reduced(param: torch.Tensor) -> bool:
     mark = getattr(param, _MARK, None)
-    return mark is not None and mark == _grad_state(param)
+    if mark is None:
+        return False
+    grad, version = mark
+    return grad() is param.grad and version == _local(param.grad)._version
 
 
 @torch.no_grad()

@@ -21,11 +21,11 @@ own rows. The gradient of the mean over the global batch is the mean of those ra
 A gradient whose placements differ from its param's (a ``Partial`` one) is redistributed to the
 param's placements first, as the optimizers need. A param whose gradient is reduced is marked
 with its gradient tensor (a weak reference, not its ``id``: a gradient assigned after the old
-one is freed often takes the old one's address, and so its ``id``) and that tensor's version. A backward clears the mark: through the
-param's post-accumulate-grad hook, or (the zero-bubble schedules' weight pass, which assigns or
-adds into ``param.grad`` itself) by a new gradient tensor or a new version. A second call with no
-backward in between finds the mark and raises, on every rank alike, before any collective: the
-gradients would otherwise be divided twice.
+one is freed often takes the old one's address, and so its ``id``) and that tensor's version.
+A backward clears the mark: through the param's post-accumulate-grad hook, or (the zero-bubble
+schedules' weight pass, which assigns or adds into ``param.grad`` itself) by a new gradient
+tensor or a new version. A second call with no backward in between finds the mark and raises,
+on every rank alike, before any collective: the gradients would otherwise be divided twice.
 """
 
 from __future__ import annotations

@@ -150,10 +150,10 @@ class FixedBufferExchange(TokenExchange):
     # with ``float`` where ``C`` is computed. torch.compile specializes on a string (a guard on
     # its value, a recompile when it changes), where a float attribute that changes becomes a
     # symbolic float after the first change, and torch 2.13's dynamo then fails to lift the
-    # ``C`` computed from it ("Source of ... CeilToInt(...) is None"). ``test_fixed_exchange.py``'s
-    # ``test_compiled_training`` grows the factor of a compiled layer, and its
-    # ``test_compiled_evaluation_whole`` shows that the same layer with the factor as a float
-    # attribute still fails.
+    # ``C`` computed from it ("Source of ... CeilToInt(...) is None").
+    # ``test_fixed_exchange.py``'s ``test_compiled_training`` grows the factor of a compiled
+    # layer, and its ``test_compiled_evaluation_whole`` shows that the same layer with the factor
+    # as a float attribute still fails.
     @property
     def buffer_factor(self) -> float:
         """``C`` over the balanced share of a rank pair (Note [Fixed-buffer exchange])."""

@@ -1,7 +1,8 @@
 """The fixed exchange (``exchange="fixed"``) compiled with inductor under the token-parallel
 layouts, 4 gloo ranks: SP2 + EP2 (EP borrows the tp ranks) and EP2 x expert TP2, both with a
-``Shard(1)`` (sequence-parallel) input. ``tests/test_fixed_exchange.py``'s ``test_compiled_training``
-and ``test_compiled_evaluation_whole`` do the same under EP4, where the layer has no token-parallel hooks.
+``Shard(1)`` (sequence-parallel) input. ``tests/test_fixed_exchange.py``'s
+``test_compiled_training`` and ``test_compiled_evaluation_whole`` do the same under EP4, where
+the layer has no token-parallel hooks.
 
 After one eager step (the fixed exchange's one-time checks), ``torch.compile(layer)`` with
 inductor over 5 training steps of new data, then in evaluation with ``fullgraph=True``: outputs,
@@ -137,8 +138,9 @@ class FixedCompileLayoutsTest(DistTestBase):
     PINNED = {"train": (2, 1, 0), "eval": (3, 0, 0), "eval inline": (1, 0, 0)}
 
     # a slow matrix entry (about 40 s): CI covers the fixed exchange compiled under EP4
-    # (test_fixed_exchange.py's test_compiled_training and _evaluation_whole) and SP2 + EP2 compiled with the all-to-all
-    # exchange (test_parallel_compile.py); DTENSOR_MOE_FULL_MATRIX=1 runs it
+    # (test_fixed_exchange.py's test_compiled_training and _evaluation_whole) and SP2 + EP2
+    # compiled with the all-to-all exchange (test_parallel_compile.py);
+    # DTENSOR_MOE_FULL_MATRIX=1 runs it
     @unittest.skipUnless(FULL, "a slow matrix entry: DTENSOR_MOE_FULL_MATRIX=1 runs it")
     @with_comms
     def test_sp2ep2_compiles_and_matches_eager(self):

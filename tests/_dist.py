@@ -90,7 +90,7 @@ class DistTestBase(DTensorTestBase):
                     return
 
     def _check_return_codes(self, fn, elapsed_time) -> None:
-        if getattr(self, "_died", None) is not None:
+        if self._died is not None:  # set by _join_processes, the only caller
             rank, code = self._died
             how = (f"of signal {signal.Signals(-code).name}" if code < 0
                    else f"with exit code {code}")  # fmt: skip

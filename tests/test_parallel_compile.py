@@ -60,6 +60,15 @@ COUNTED = ("ep4", "ep2tp2_gather", "sp2ep2")  # training counts pinned with thei
 CASE = Case(B=2, L=7, top_k=2, shared=1)  # L=7 over tp=2: uneven sequence shards
 
 
+def _dynamo_counts() -> tuple[int, int, int]:
+    """(graphs, graph breaks, recompiles) in dynamo's counters since they were last cleared."""
+    return (
+        counters["stats"]["unique_graphs"],
+        sum(counters["graph_break"].values()),
+        sum(counters["recompiles"].values()),
+    )
+
+
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -124,11 +133,7 @@ class ParallelCompileTest(DistTestBase):
             x, g = self._input(meshes, layout, seed=10 + step, dtype=dtype)
             self._compare(name, eager, compiled, x, g, f"{backend} step {step}")
         if counts is not None:
-            counts[name] = (
-                counters["stats"]["unique_graphs"],
-                sum(counters["graph_break"].values()),
-                sum(counters["recompiles"].values()),
-            )
+            counts[name] = _dynamo_counts()
         for (n, buf), (_, ref) in zip(model.named_buffers(), eager.named_buffers()):
             self.assertTrue(torch.equal(_local(buf), _local(ref)), f"{name}: buffer {n}")
 
@@ -141,11 +146,7 @@ class ParallelCompileTest(DistTestBase):
         for step in range(3):
             x, g = self._input(meshes, layout, seed=20 + step)
             self._fwd_bwd(compiled, x, g)
-        return (
-            counters["stats"]["unique_graphs"],
-            sum(counters["graph_break"].values()),
-            sum(counters["recompiles"].values()),
-        )
+        return _dynamo_counts()
 
     @with_comms
     def test_layer_compiles_and_matches_eager(self):
